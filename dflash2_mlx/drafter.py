@@ -1,0 +1,158 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a block of mask tokens in one pass.
+
+It has no embedding table or LM head of its own; `bind` lends it the target's. The target's features
+(outputs of the layers in `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context row per
+committed token, and every layer attends to that context through its own k/v projections ("KV injection")
+in front of the block's keys and values. Only context K/V are cached: the block is recomputed every cycle.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DraftConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DraftConfig, layer_idx: int):
+        super().__init__()
+        dim, head_dim = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = head_dim**-0.5
+        self.is_causal = config.layer_is_causal(layer_idx)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        start = cache.offset  # position of the first new context row
+        block_pos = start + ctx.shape[1]  # position of the anchor
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=block_pos)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=block_pos)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        if ctx.shape[1] > 0:
+            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
+            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
+            ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
+        else:
+            ctx_k, ctx_v = cache.state if cache.keys is not None else (k[:, :, :0], v[:, :, :0])
+        if self.sliding_window is not None:
+            # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
+            # window-1 context rows matter, so older ones never enter the attention.
+            keep = self.sliding_window - 1
+            ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
+        keys = mx.concatenate([ctx_k, k], axis=2)
+        values = mx.concatenate([ctx_v, v], axis=2)
+        mask = self._mask(L, ctx_k.shape[2], block_pos)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, L: int, n_ctx: int, block_pos: int) -> mx.array | None:
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        rows = mx.arange(L)[:, None]
+        cols = mx.arange(n_ctx + L)[None]
+        in_block = cols >= n_ctx
+        visible = in_block & (cols - n_ctx <= rows) if self.is_causal else in_block
+        if self.sliding_window is None:
+            return visible | ~in_block
+        key_pos = block_pos - n_ctx + cols  # absolute positions of the context columns
+        return visible | (~in_block & (block_pos + rows - key_pos < self.sliding_window))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _TargetParts:
+    """The target's embedding and LM head, held outside the module tree so they are never saved,
+    trained or quantized as part of the drafter."""
+
+    def __init__(self, embed, lm_head, embed_scale: float):
+        self.embed, self.lm_head, self.embed_scale = embed, lm_head, embed_scale
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        dim = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * dim, dim, bias=False)
+        self.hidden_norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        self._target: _TargetParts | None = None
+
+    def bind(self, embed, lm_head, embed_scale: float = 1.0) -> "DFlashDraftModel":
+        """Use the target's embedding and LM head (both stay frozen and owned by the target)."""
+        self._target = _TargetParts(embed, lm_head, embed_scale * self.config.input_embedding_scale)
+        return self
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def hidden(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> mx.array:
+        """Normed final hidden rows of the block.
+
+        block: [1, B] token ids (anchor, then mask ids); context: [1, S, k*D] target features of the
+        committed rows not yet seen by `cache` (appended to it here).
+        """
+        if self._target is None:
+            raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")
+        h = self._target.embed(block) * self._target.embed_scale
+        ctx = self.hidden_norm(self.fc(context.astype(h.dtype)))
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, ctx, c)
+        return self.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        logits = self._target.lm_head(hidden) * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> mx.array:
+        """Draft logits for rows 1..B-1 of the block: [1, B-1, V]."""
+        return self.logits(self.hidden(block, context, cache)[:, 1:])

@@ -1,0 +1,195 @@
+"""The public generation API, shaped like mlx-lm's: `stream_generate` yields one small record per
+decode step (a DFlash cycle commits several tokens at once); `generate` runs it to the end."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .decode import dflash_steps, plain_steps
+from .drafter import DFlashDraftModel
+from .loading import bind_drafter
+from .sampling import SamplingParams
+from .target import Target
+
+VERIFY_MODES = ("dflash", "off")
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # text decoded from this step's tokens (EOS is never rendered)
+    tokens: list[int]  # tokens committed by this step, EOS included when it stopped generation
+    accepted: int | None  # drafts accepted in this cycle; None for the prefill token and plain decoding
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # tokens generated so far
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens) or None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    accepted: list[int]  # per cycle
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: str | None
+    verify_mode: str
+    block_size: int | None
+    cycles: int = field(init=False)
+    tau: float | None = field(init=False)  # mean tokens committed per cycle, bonus included
+
+    def __post_init__(self):
+        self.cycles = len(self.accepted)
+        self.tau = (sum(self.accepted) + self.cycles) / self.cycles if self.cycles else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _encode(tokenizer, prompt: str | Sequence[int] | mx.array) -> mx.array:
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    return mx.array(prompt, dtype=mx.uint32).reshape(-1)
+
+
+def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None) -> int:
+    """oMLX's "Runtime Block Size": at most the checkpoint's, at least 2 (anchor + one draft)."""
+    trained = drafter.config.block_size
+    if block_size is None:
+        return trained
+    if not 2 <= block_size <= trained:
+        raise ValueError(
+            f"block size {block_size} is outside 2..{trained}: a runtime block size can only lower "
+            f"the drafter's trained block size ({trained})"
+        )
+    return block_size
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    drafter: DFlashDraftModel | None = None,
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    block_size: int | None = None,
+    verify_mode: str = "dflash",
+    prefill_step_size: int = 2048,
+    eos_token_ids: Sequence[int] | None = None,
+) -> Iterator[GenerationResponse]:
+    """Generate from `model` (an mlx-lm model), speculatively with `drafter` when verify_mode is
+    "dflash", or by plain decoding of the same target when it is "off"."""
+    if verify_mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+    if verify_mode == "dflash" and drafter is None:
+        raise ValueError("verify mode 'dflash' needs a drafter (--draft-model); use 'off' for plain decoding")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    params = SamplingParams(temp, top_p, top_k)
+    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    prompt = _encode(tokenizer, prompt)
+    if seed is not None:
+        mx.random.seed(seed)
+
+    if verify_mode == "dflash":
+        target = bind_drafter(drafter, model)
+        steps = dflash_steps(
+            target, drafter, prompt, params, resolve_block_size(drafter, block_size), max_tokens,
+            prefill_step_size,
+        )
+    else:
+        steps = plain_steps(Target(model), prompt, params, prefill_step_size)
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    n = 0
+    tic = time.perf_counter()
+    try:
+        with wired_limit(model, [generation_stream]):
+            for i, (tokens, accepted) in enumerate(steps):
+                if i == 0:
+                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    tic = time.perf_counter()
+                tokens = tokens[: max_tokens - n]
+                stop = next((j for j, t in enumerate(tokens) if t in eos), None)
+                if stop is not None:
+                    tokens = tokens[: stop + 1]
+                for t in tokens if stop is None else tokens[:-1]:
+                    detokenizer.add_token(t)
+                n += len(tokens)
+                finish = "stop" if stop is not None else "length" if n >= max_tokens else None
+                if finish:
+                    detokenizer.finalize()
+                elapsed = time.perf_counter() - tic
+                yield GenerationResponse(
+                    text=detokenizer.last_segment,
+                    tokens=tokens,
+                    accepted=accepted,
+                    prompt_tokens=prompt.size,
+                    prompt_tps=prompt_tps,
+                    generation_tokens=n,
+                    generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=finish,
+                )
+                if finish:
+                    return
+    finally:
+        steps.close()  # leaves the target as it was (feature taps removed)
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    drafter: DFlashDraftModel | None = None,
+    verbose: bool = False,
+    **kwargs,
+) -> GenerationResult:
+    """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
+    text, tokens, accepted, last = "", [], [], None
+    for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
+        text += last.text
+        tokens += last.tokens
+        if last.accepted is not None:
+            accepted.append(last.accepted)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose:
+        print()
+    return GenerationResult(
+        text=text,
+        tokens=tokens,
+        accepted=accepted,
+        prompt_tokens=last.prompt_tokens,
+        generation_tokens=last.generation_tokens,
+        prompt_tps=last.prompt_tps,
+        generation_tps=last.generation_tps,
+        peak_memory_gb=last.peak_memory,
+        finish_reason=last.finish_reason,
+        verify_mode=kwargs.get("verify_mode", "dflash"),
+        block_size=(
+            resolve_block_size(drafter, kwargs.get("block_size"))
+            if kwargs.get("verify_mode", "dflash") == "dflash"
+            else None
+        ),
+    )

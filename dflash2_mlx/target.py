@@ -1,0 +1,179 @@
+"""An mlx-lm causal LM seen as a DFlash target.
+
+What the decode loop needs from the target, and nothing else: logits together with the drafter's
+features from the same forward (no second pass), chunked prefill, and a cache that can be rolled back
+after a partial acceptance.
+
+Features are captured by re-classing only the few layer *instances* the drafter reads (a per-instance
+subclass whose `__call__` records the output), for the duration of a `with target.capturing():` block.
+The layers keep their parameters and names, no class is modified, and the model is restored on exit
+even if generation raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import (
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+_ROLLBACK_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache, ConcatenateKVCache)
+
+
+def _parts(model: nn.Module):
+    """(decoder layers, inner model holding embed_tokens and norm) of an mlx-lm model."""
+    for owner in (model, getattr(model, "language_model", None)):
+        inner = getattr(owner, "model", None)
+        if inner is not None and hasattr(inner, "layers") and hasattr(inner, "embed_tokens"):
+            return inner.layers, inner
+    raise ValueError(
+        f"{type(model).__module__}.{type(model).__name__} is not a supported mlx-lm causal LM: "
+        "expected model.model.layers and model.model.embed_tokens"
+    )
+
+
+class _Recorder:
+    """Where tapped layers put their outputs during one forward."""
+
+    def __init__(self):
+        self.outputs: dict[int, mx.array] = {}
+
+
+_TAPPED_CLASSES: dict[type, type] = {}
+
+
+def _tapped_class(cls: type) -> type:
+    """A subclass of `cls` whose instances record their output; made once per layer class."""
+    if cls not in _TAPPED_CLASSES:
+
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            tap = self.__dict__["_dflash_tap"]
+            tap[0].outputs[tap[1]] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _TAPPED_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _TAPPED_CLASSES[cls]
+
+
+class Target:
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.layers, inner = _parts(model)
+        self.num_layers = len(self.layers)
+        self.layer_ids = tuple(layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"drafter reads target layers {bad}, but the target "
+                f"({getattr(model, 'model_type', type(model).__name__)}) has only {self.num_layers} "
+                f"layers (0..{self.num_layers - 1}); this drafter was trained for a different target"
+            )
+        self.embed_tokens = inner.embed_tokens
+        self.final_norm = getattr(inner, "norm", None)
+        if isinstance(self.embed_tokens, nn.QuantizedEmbedding):
+            self.vocab_size, self.hidden_size = self.embed_tokens.num_embeddings, self.embed_tokens.dims
+        else:
+            self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
+        self.lm_head = getattr(model, "lm_head", None) or self.embed_tokens.as_linear
+        self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+        self._recorder = _Recorder()
+        self._capturing = False
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.model, "model_type", type(self.model).__module__.rsplit(".", 1)[-1])
+
+    # -- cache -------------------------------------------------------------------------------------
+    def make_cache(self) -> list:
+        cache = make_prompt_cache(self.model)
+        unsupported = {type(c).__name__ for c in cache if not isinstance(c, _ROLLBACK_CACHES)}
+        if unsupported:
+            raise ValueError(
+                f"target model type {self.model_type!r} keeps state that cannot be rolled back "
+                f"({', '.join(sorted(unsupported))}): speculative decoding needs a trimmable KV cache. "
+                "Hybrid recurrent targets are not supported yet; use --verify-mode off for this model"
+            )
+        return cache
+
+    @staticmethod
+    def rollback(cache: list, n: int) -> None:
+        """Forget the last `n` tokens fed to the target."""
+        if n <= 0:
+            return
+        for c in cache:
+            if isinstance(c, RotatingKVCache) and c.offset >= c.max_size:
+                # Past its window the ring buffer refuses trim(); right after a multi-token update it
+                # holds max_size-1+L rows in temporal order, so dropping the newest n is exact.
+                keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+                c.keys, c.values = keys[..., :-n, :], values[..., :-n, :]
+                c.offset -= n
+                c._idx = c.keys.shape[2]
+            elif c.trim(n) != n:
+                raise RuntimeError(f"could not roll back {n} tokens of a {type(c).__name__}")
+
+    # -- forward -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator["Target"]:
+        """Record the drafter's feature layers during forwards inside this block."""
+        if self._capturing or not self.layer_ids:
+            yield self
+            return
+        originals = {}
+        try:
+            for slot, i in enumerate(self.layer_ids):
+                layer = self.layers[i]
+                originals[i] = type(layer)
+                layer.__dict__["_dflash_tap"] = (self._recorder, slot)
+                layer.__class__ = _tapped_class(type(layer))
+            self._capturing = True
+            yield self
+        finally:
+            for i, cls in originals.items():
+                self.layers[i].__class__ = cls
+                self.layers[i].__dict__.pop("_dflash_tap", None)
+            self._capturing = False
+            self._recorder.outputs.clear()
+
+    def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+        """Logits [L, V] and features [L, k*D] (None without layer ids) for `tokens` [L]."""
+        logits = self.model(tokens[None], cache=cache)[0]
+        if not self.layer_ids:
+            return logits, None
+        if not self._capturing:
+            raise RuntimeError("Target features are recorded only inside `with target.capturing():`")
+        rows = []
+        for slot, i in enumerate(self.layer_ids):
+            h = self._recorder.outputs.pop(slot)
+            # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
+            if i == self.num_layers - 1 and self.final_norm is not None:
+                h = self.final_norm(h)
+            rows.append(h[0])
+        return logits, mx.concatenate(rows, axis=-1)
+
+    def prefill(
+        self, prompt: mx.array, cache: list, step_size: int = 2048
+    ) -> tuple[mx.array, mx.array | None]:
+        """Feed the prompt in chunks of `step_size`; returns the last logits row [V] and the features
+        of every prompt row [n, k*D] (None without layer ids)."""
+        if step_size <= 0:
+            raise ValueError(f"prefill step size must be positive, got {step_size}")
+        if prompt.size == 0:
+            raise ValueError("the prompt is empty: nothing to condition the target on")
+        features = []
+        for start in range(0, prompt.size, step_size):
+            logits, feats = self(prompt[start : start + step_size], cache)
+            if feats is not None:
+                features.append(feats)
+            if start + step_size < prompt.size:
+                mx.eval([c.state for c in cache], features)
+                mx.clear_cache()
+        return logits[-1], (mx.concatenate(features) if features else None)

@@ -1,0 +1,225 @@
+"""Tiny real parts for the tests: mlx-lm targets with random weights, DFlash drafters, a real
+(word-level) tokenizer saved the way Hugging Face saves one, and model folders mlx-lm can load."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from dflash2_mlx.config import DraftConfig
+from dflash2_mlx.drafter import DFlashDraftModel
+from dflash2_mlx.target import Target
+
+HIDDEN = 64
+
+TARGET_CONFIGS = {
+    "qwen3": dict(model_type="qwen3", head_dim=16, max_position_embeddings=4096, rope_theta=10000.0),
+    "qwen2": dict(model_type="qwen2", rope_theta=10000.0),
+    "llama": dict(model_type="llama", rope_theta=10000.0),
+    # llama with sliding-window layers: RotatingKVCache, rolled back past its window in long runs.
+    "llama_swa": dict(
+        model_type="llama",
+        rope_theta=10000.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=8,
+    ),
+}
+
+
+def target_config(arch: str, vocab: int = 256, tied: bool = True) -> dict:
+    return dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        **TARGET_CONFIGS[arch],
+    )
+
+
+def make_target(arch: str = "qwen3", vocab: int = 256, seed: int = 0, tied: bool = True):
+    """An mlx-lm model of the given architecture with deterministic random weights."""
+    config = target_config(arch, vocab, tied)
+    mx.random.seed(seed)
+    model, _ = _model_from_config(config)
+    # Larger weights than the default init: sharper logits and varied greedy text (the default init
+    # makes a random model repeat one token, which would test little).
+    model.load_weights([(k, v * _weight_scale(k)) for k, v in tree_flatten(model.parameters())])
+    mx.eval(model.parameters())
+    return model
+
+
+def _weight_scale(name: str) -> float:
+    if "embed_tokens" in name or "lm_head" in name:
+        return 2.0
+    return 3.0 if name.endswith("proj.weight") else 1.0
+
+
+def _model_from_config(config: dict):
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    return model_class(args_class.from_dict(config)), config
+
+
+def copy_model(model):
+    """A second instance with the same weights (for oracles that must not share layer objects)."""
+    config = {k: v for k, v in vars(model.args).items()}
+    clone, _ = _model_from_config(config)
+    clone.load_weights(tree_flatten(model.parameters()))
+    mx.eval(clone.parameters())
+    return clone
+
+
+def drafter_config(model, block_size: int = 16, layers: int = 2, sliding_window=None, **kw) -> DraftConfig:
+    n = len(model.layers)
+    fields = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=model.args.vocab_size,
+        rms_norm_eps=1e-6,
+        block_size=block_size,
+        target_layer_ids=(1, n - 1),
+        mask_token_id=model.args.vocab_size - 1,
+        layer_types=("sliding_attention",) * layers if sliding_window else (),
+        sliding_window=sliding_window,
+        num_target_layers=n,
+    )
+    fields.update(kw)
+    return DraftConfig(**fields)
+
+
+def make_drafter(model, seed: int = 1, **kw) -> DFlashDraftModel:
+    from dflash2_mlx.loading import bind_drafter
+
+    mx.random.seed(seed)
+    drafter = DFlashDraftModel(drafter_config(model, **kw))
+    mx.eval(drafter.parameters())
+    bind_drafter(drafter, model)
+    return drafter
+
+
+class OracleDrafter(DFlashDraftModel):
+    """A drafter that knows the target: it proposes the target's own greedy continuation, optionally
+    spoiled from a random position on (so every acceptance length occurs), and checks on every call
+    that the context it is given is exactly the target features of the rows committed since the last
+    call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping."""
+
+    def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None):
+        super().__init__(config)
+        self.mirror = Target(copy_model(model), config.target_layer_ids)
+        self.history = [int(t) for t in prompt]
+        self.pending = None
+        self.rng = random.Random(spoil_seed) if spoil_seed is not None else None
+        self.vocab = model.args.vocab_size
+        self.calls = 0
+
+    def __call__(self, block, context, cache):
+        anchor, B, S = int(block[0, 0].item()), block.shape[1], context.shape[1]
+        if self.pending is not None:
+            prev_anchor, prev_drafts = self.pending
+            assert 1 <= S <= len(prev_drafts) + 1, f"context grew by {S} rows after {len(prev_drafts)} drafts"
+            self.history += [prev_anchor] + prev_drafts[: S - 1]
+        else:
+            assert S == len(self.history), "first context must be the whole prompt"
+        with self.mirror.capturing():
+            _, feats = self.mirror(mx.array(self.history), self.mirror.make_cache())
+        np.testing.assert_allclose(np.array(context[0]), np.array(feats[-S:]), atol=2e-4, rtol=1e-4)
+        seq, proposal = self.history + [anchor], []
+        cache = self.mirror.make_cache()
+        logits = self.mirror.model(mx.array(seq)[None], cache=cache)[0, -1]
+        for _ in range(B - 1):
+            proposal.append(int(mx.argmax(logits).item()))
+            logits = self.mirror.model(mx.array([[proposal[-1]]]), cache=cache)[0, -1]
+        if self.rng is not None:
+            cut = self.rng.randint(0, B - 1)
+            proposal = proposal[:cut] + [(t + 1) % self.vocab for t in proposal[cut:]]
+        self.pending = (anchor, proposal)
+        self.calls += 1
+        return (mx.eye(self.vocab)[mx.array(proposal)] * 30.0)[None]
+
+
+def make_oracle(model, prompt, block_size=16, spoil_seed=None) -> OracleDrafter:
+    from dflash2_mlx.loading import bind_drafter
+
+    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed)
+    bind_drafter(oracle, model)
+    return oracle
+
+
+# -- a real tokenizer and model folders ------------------------------------------------------------------
+
+WORDS = [f"w{i}" for i in range(240)]
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<mask>"]
+
+
+def save_tokenizer(folder: Path, vocab: int = 256) -> None:
+    """A word-level tokenizer with a chat template, saved as Hugging Face does (tokenizer.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIALS + WORDS
+    tokens += [f"x{i}" for i in range(vocab - len(tokens))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"],
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    fast.save_pretrained(folder)
+
+
+def save_target(folder: Path, arch: str = "qwen3", seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model = make_target(arch, seed=seed)
+    config = target_config(arch)
+    config["eos_token_id"] = 2
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    save_tokenizer(folder)
+    return folder
+
+
+def save_drafter(folder: Path, drafter: DFlashDraftModel, prefix: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
+    weights = {prefix + k: v for k, v in tree_flatten(drafter.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A tiny qwen3 target folder and a DFlash v1 drafter folder for it."""
+    root = tmp_path_factory.mktemp("tiny")
+    target_dir = save_target(root / "target")
+    model, _ = load_model(target_dir)
+    drafter = make_drafter(model, block_size=8, mask_token_id=5)
+    return target_dir, save_drafter(root / "drafter", drafter)
+
+
+def pytest_configure(config):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
