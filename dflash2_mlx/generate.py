@@ -110,14 +110,17 @@ def stream_generate(
     if seed is not None:
         mx.random.seed(seed)
 
-    if verify_mode == "dflash":
-        target = bind_drafter(drafter, model)
-        steps = dflash_steps(
-            target, drafter, prompt, params, resolve_block_size(drafter, block_size), max_tokens,
-            prefill_step_size,
+    target = bind_drafter(drafter, model) if verify_mode == "dflash" else Target(model)
+    if prompt.size and int(prompt.max()) >= target.vocab_size:
+        raise ValueError(
+            f"prompt token id {int(prompt.max())} is outside the target's vocabulary "
+            f"({target.vocab_size}): was it encoded with another model's tokenizer?"
         )
+    if verify_mode == "dflash":
+        block_size = resolve_block_size(drafter, block_size)
+        steps = dflash_steps(target, drafter, prompt, params, block_size, max_tokens, prefill_step_size)
     else:
-        steps = plain_steps(Target(model), prompt, params, prefill_step_size)
+        steps = plain_steps(target, prompt, params, prefill_step_size)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -147,7 +150,7 @@ def stream_generate(
                     prompt_tokens=prompt.size,
                     prompt_tps=prompt_tps,
                     generation_tokens=n,
-                    generation_tps=n / elapsed if elapsed > 0 else 0.0,
+                    generation_tps=n / elapsed if i > 0 else 0.0,  # the first token is prefill's
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
                 )

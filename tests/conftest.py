@@ -212,6 +212,16 @@ def save_drafter(folder: Path, drafter: DFlashDraftModel, prefix: str = "") -> P
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The word-level tokenizer, loaded the way mlx-lm loads a model's tokenizer."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """A tiny qwen3 target folder and a DFlash v1 drafter folder for it."""
     root = tmp_path_factory.mktemp("tiny")

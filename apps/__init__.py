@@ -1,0 +1,1 @@
+"""Command-line programs of dflash2-mlx (installed as the package `dflash2_apps`)."""

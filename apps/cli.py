@@ -1,0 +1,100 @@
+"""The `dflash2` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text with DFlash speculative decoding (or plain decoding of the same target)",
+        description="Generate text from a target model, speculatively with a DFlash drafter.",
+    )
+    p.add_argument("--model", required=True, help="target: local mlx-lm model folder or hub id")
+    p.add_argument("--draft-model", help="DFlash drafter: local folder or hub id")
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--block-size", type=int, default=None,
+        help="runtime block size (draft + verify tokens per cycle); default: the drafter's",
+    )
+    p.add_argument(
+        "--verify-mode", choices=["dflash", "off"], default="dflash",
+        help="'off' = plain decoding of the same target through the same loader (the baseline)",
+    )
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args) -> int:
+    from dflash2_mlx import generate, load
+
+    if args.verify_mode == "dflash" and not args.draft_model:
+        raise ValueError("--verify-mode dflash needs --draft-model (or use --verify-mode off)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer, drafter = load(
+        args.model, args.draft_model if args.verify_mode == "dflash" else None
+    )
+    if not args.ignore_chat_template and tokenizer.has_chat_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    result = generate(
+        model,
+        tokenizer,
+        prompt,
+        drafter,
+        verbose=not args.json,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        block_size=args.block_size,
+        verify_mode=args.verify_mode,
+        prefill_step_size=args.prefill_step_size,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _summary(r) -> str:
+    mode = f"dflash B={r.block_size}" if r.verify_mode == "dflash" else "plain"
+    parts = [
+        f"[{mode}] {r.generation_tokens} tokens at {r.generation_tps:.1f} tok/s",
+        f"prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s",
+    ]
+    if r.verify_mode == "dflash":
+        parts.append(f"tau {r.tau:.2f} over {r.cycles} cycles" if r.cycles else "no cycles")
+    parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]
+    return " | ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dflash2", description="DFlash / DFlash 2 speculative decoding on MLX"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"dflash2 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
