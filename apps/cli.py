@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -13,7 +14,10 @@ def _generate_parser(sub) -> None:
         help="generate text with DFlash speculative decoding (or plain decoding of the same target)",
         description="Generate text from a target model, speculatively with a DFlash drafter.",
     )
-    p.add_argument("--model", required=True, help="target: local mlx-lm model folder or hub id")
+    p.add_argument(
+        "--model",
+        help="target: mlx-lm model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--draft-model", help="DFlash drafter: local folder or hub id")
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
@@ -29,6 +33,10 @@ def _generate_parser(sub) -> None:
         "--verify-mode", choices=["dflash", "off"], default="dflash",
         help="'off' = plain decoding of the same target through the same loader (the baseline)",
     )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"],
+        help="cast the target's weights (GGUF default: float32 on CPU, quantized tensors kept on Metal)",
+    )
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -37,12 +45,13 @@ def _generate_parser(sub) -> None:
 
 def _run_generate(args) -> int:
     from dflash2_mlx import generate, load
+    from dflash2_mlx.runtime import runtime_info
 
     if args.verify_mode == "dflash" and not args.draft_model:
         raise ValueError("--verify-mode dflash needs --draft-model (or use --verify-mode off)")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, drafter = load(
-        args.model, args.draft_model if args.verify_mode == "dflash" else None
+        args.model, args.draft_model if args.verify_mode == "dflash" else None, dtype=args.dtype
     )
     if not args.ignore_chat_template and tokenizer.has_chat_template:
         prompt = tokenizer.apply_chat_template(
@@ -64,7 +73,7 @@ def _run_generate(args) -> int:
         prefill_step_size=args.prefill_step_size,
     )
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "runtime": runtime_info()}))
     else:
         print(_summary(result), file=sys.stderr)
     return 0
@@ -82,7 +91,32 @@ def _summary(r) -> str:
     return " | ".join(parts)
 
 
+def _openblas() -> str | None:
+    for lib in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
+        if os.path.exists(lib):
+            return lib
+    from ctypes.util import find_library
+
+    return find_library("openblas")
+
+
+def _restart_with_openblas() -> None:
+    """On Linux, MLX's CPU backend does float32 matmuls ~50x faster with OpenBLAS than with the
+    reference BLAS its wheel bundles. When OpenBLAS is installed but not loaded, restart once with it
+    preloaded (DFLASH2_NO_OPENBLAS=1 turns this off)."""
+    if sys.platform != "linux" or os.environ.get("DFLASH2_NO_OPENBLAS"):
+        return
+    lib = _openblas()
+    preload = os.environ.get("LD_PRELOAD", "")
+    if lib is None or "openblas" in preload:
+        return
+    env = dict(os.environ, LD_PRELOAD=f"{lib} {preload}".strip())
+    os.execve(sys.executable, [sys.executable, "-m", "dflash2_apps.cli", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        _restart_with_openblas()
     parser = argparse.ArgumentParser(
         prog="dflash2", description="DFlash / DFlash 2 speculative decoding on MLX"
     )

@@ -20,12 +20,13 @@ class DraftConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int
     rms_norm_eps: float
     block_size: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     architecture: str = "DFlashDraftModel"
+    # The target's vocabulary; v1 drafters store no vocabulary-sized tensor, and some configs omit it.
+    vocab_size: int | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 32768
@@ -75,7 +76,6 @@ class DraftConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size,
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
@@ -90,6 +90,8 @@ class DraftConfig:
         )
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
+        if self.vocab_size is not None:
+            cfg["vocab_size"] = self.vocab_size
         if self.sliding_window is not None:
             cfg["sliding_window"] = self.sliding_window
         if self.is_causal is not None:
@@ -127,7 +129,7 @@ class DraftConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
             head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
+            vocab_size=cfg.get("vocab_size"),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=rope_scaling,
@@ -152,10 +154,9 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
     "intermediate_size",
-    "vocab_size",
 )
 _OTHER_FIELDS = {
-    "architectures", "model_type", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "vocab_size", "architectures", "model_type", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_parameters", "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window",
     "num_target_layers", "block_size", "dflash_config", "is_causal", "mask_token_id",
     "target_layer_ids", "final_logit_softcapping", "output_multiplier", "input_embedding_scale",

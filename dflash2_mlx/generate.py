@@ -178,7 +178,7 @@ def generate(
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
-        print()
+        print(flush=True)
     return GenerationResult(
         text=text,
         tokens=tokens,

@@ -74,7 +74,7 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
             f"drafter hidden size {cfg.hidden_size} does not match the target's {target.hidden_size}: "
             "the drafter was trained for another target"
         )
-    if cfg.vocab_size != target.vocab_size:
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
         raise ValueError(
             f"drafter vocabulary ({cfg.vocab_size}) differs from the target's ({target.vocab_size}): "
             "the drafter was trained for another target"
@@ -88,16 +88,43 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
     return target
 
 
-def load(model: str, draft_model: str | None = None, tokenizer_config: dict | None = None):
-    """Load a target with mlx-lm and, optionally, a DFlash drafter bound to it.
+DTYPES = ("float32", "bfloat16", "float16")
 
-    Returns (model, tokenizer, drafter) with drafter None when `draft_model` is None.
+
+def load_target(model: str | None = None, dtype: str | None = None, tokenizer_config: dict | None = None):
+    """(model, tokenizer) for a target: an mlx-lm folder, a hub id, or a GGUF file; None is the default
+    target (see `assets.default_target`).
+
+    dtype casts the float weights. For GGUF files, None keeps Q4_0/Q4_1/Q8_0 tensors quantized on Metal
+    and dequantizes to float32 elsewhere (quantized matmuls are ~50x slower than float32 on CPUs).
     """
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+    from .assets import default_target
+    from .checkpoints.gguf import load_gguf
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if model is None:
+        model = str(default_target())
+    if str(model).endswith(".gguf"):
+        if dtype is None and not mx.metal.is_available():
+            dtype = "float32"
+        return load_gguf(resolve_path(model), dtype)
     path = resolve_path(model, allow_patterns=DEFAULT_ALLOW_PATTERNS)
     target_model, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config)
+    if dtype is not None:
+        target_model.set_dtype(getattr(mx, dtype))
+    return target_model, tokenizer
+
+
+def load(model: str | None = None, draft_model: str | None = None, dtype: str | None = None, **kwargs):
+    """Load a target (see `load_target`) and, optionally, a DFlash drafter bound to it.
+
+    Returns (model, tokenizer, drafter) with drafter None when `draft_model` is None.
+    """
+    target_model, tokenizer = load_target(model, dtype, **kwargs)
     drafter = None
     if draft_model is not None:
         drafter = load_drafter(draft_model)

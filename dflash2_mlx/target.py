@@ -83,7 +83,8 @@ class Target:
             self.vocab_size, self.hidden_size = self.embed_tokens.num_embeddings, self.embed_tokens.dims
         else:
             self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
-        self.lm_head = getattr(model, "lm_head", None) or self.embed_tokens.as_linear
+        head = getattr(model, "lm_head", None)
+        self.lm_head = head if head is not None else self.embed_tokens.as_linear
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         self._recorder = _Recorder()
         self._capturing = False

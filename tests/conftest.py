@@ -85,7 +85,7 @@ def copy_model(model):
 def drafter_config(model, block_size: int = 16, layers: int = 2, sliding_window=None, **kw) -> DraftConfig:
     n = len(model.layers)
     fields = dict(
-        hidden_size=HIDDEN,
+        hidden_size=model.args.hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,1 @@
+"""Checkpoint formats: reading and writing drafters and targets that come from other engines."""

@@ -1,0 +1,29 @@
+"""What a measurement ran on: every reported number carries it."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import mlx.core as mx
+
+
+def blas() -> str:
+    """The BLAS serving MLX's CPU matmuls (on Linux: preloaded OpenBLAS or the wheel's own)."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    try:
+        with open("/proc/self/maps") as maps:
+            return "openblas" if "libopenblas" in maps.read() else "mlx-bundled reference BLAS"
+    except OSError:
+        return "unknown"
+
+
+def runtime_info() -> dict:
+    return {
+        "mlx": mx.__version__,
+        "backend": "metal" if mx.metal.is_available() else "cpu",
+        "blas": blas(),
+        "machine": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,113 @@
+"""The `dflash2` command, in process and as installed from a wheel (outside the checkout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from dflash2_apps.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_FIELDS = {
+    "text", "tokens", "prompt_tokens", "generation_tokens", "accepted", "tau", "cycles",
+    "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "verify_mode", "block_size",
+}
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    code = main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
+    target, drafter = tiny_pair
+    common = ("--model", target, "--prompt", "w1 w2 w3", "--max-tokens", 21, "--json")
+    code, out, _ = run_cli(capsys, *common, "--draft-model", drafter, "--block-size", 5)
+    assert code == 0
+    spec = json.loads(out)
+    assert JSON_FIELDS <= spec.keys()
+    assert spec["verify_mode"] == "dflash" and spec["block_size"] == 5
+    assert spec["generation_tokens"] == len(spec["tokens"]) == 21
+    assert spec["cycles"] == len(spec["accepted"]) and spec["tau"] >= 1
+    assert spec["prompt_tokens"] == 5  # "<|user|> w1 w2 w3 <|assistant|>": the chat template was applied
+    code, out, _ = run_cli(capsys, *common, "--verify-mode", "off")
+    plain = json.loads(out)
+    assert plain["tokens"] == spec["tokens"] and plain["text"] == spec["text"]
+    assert plain["verify_mode"] == "off" and plain["cycles"] == 0 and plain["tau"] is None
+    code, out, _ = run_cli(capsys, *common, "--verify-mode", "off", "--ignore-chat-template")
+    assert json.loads(out)["prompt_tokens"] == 3
+
+
+def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
+    target, drafter = tiny_pair
+    code, out, err = run_cli(capsys, "--model", target, "--draft-model", drafter, "--prompt", "w5",
+                             "--max-tokens", 10, "--temp", 0.7, "--seed", 3)
+    assert code == 0
+    words = len(out.split())  # one word per token; EOS is not rendered
+    assert 1 <= words <= 10
+    assert f"[dflash B=8] {words + (words < 10)} tokens at" in err, err
+    assert "tau" in err and ("finish: length" if words == 10 else "finish: stop") in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--prompt", "x"), "--verify-mode dflash needs --draft-model"),
+        (("--draft-model", "/no/such/drafter"), "'/no/such/drafter' is neither an existing path"),
+        (("--draft-model", "{drafter}", "--block-size", "12"), "block size 12 is outside 2..8"),
+        (("--draft-model", "{drafter}", "--top-p", "2"), "top_p must be in (0, 1]"),
+    ],
+)
+def test_errors_are_one_clear_line(tiny_pair, capsys, args, message):
+    target, drafter = tiny_pair
+    args = [a.format(drafter=drafter) for a in args]
+    code, out, err = run_cli(capsys, "--model", target, *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
+    """Build the wheel, install it into a fresh environment (dependencies from this one), and run the
+    installed `dflash2` from a folder that is not the checkout."""
+    target, drafter = tiny_pair
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, ROOT],
+        check=True, cwd=tmp_path,
+    )
+    env_dir = tmp_path / "env"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = env_dir / "bin" / "python"
+    (wheel,) = wheels.glob("dflash2_mlx-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel],
+        check=True, cwd=tmp_path,
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run(
+        [python, "-c", "import dflash2_mlx, dflash2_apps; print(dflash2_mlx.__file__, dflash2_apps.__file__)"],
+        check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+    ).stdout
+    assert str(ROOT) not in where and str(env_dir) in where
+    dflash2 = env_dir / "bin" / "dflash2"
+    help_text = subprocess.run(
+        [dflash2, "generate", "--help"], check=True, cwd=tmp_path, env=env, capture_output=True, text=True
+    ).stdout
+    assert "--draft-model" in help_text and "--verify-mode" in help_text
+    result = subprocess.run(
+        [dflash2, "generate", "--model", target, "--draft-model", drafter, "--prompt", "w7 w8",
+         "--max-tokens", "9", "--json"],
+        check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+    )
+    out = json.loads(result.stdout)
+    assert out["generation_tokens"] == 9 and out["verify_mode"] == "dflash"
+    if Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0").exists():  # installed by apps/install.sh
+        assert out["runtime"]["blas"] == "openblas"  # the command restarted itself with it preloaded

