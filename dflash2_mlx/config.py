@@ -38,6 +38,13 @@ class DraftConfig:
     final_logit_softcapping: float | None = None
     output_multiplier: float = 1.0
     input_embedding_scale: float = 1.0
+    # DFlash 2 (zero = absent): dynamic short convolution and path selector.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    # Ours: the selector's codebooks as rank-R maps of the target's embeddings instead of V x R tables.
+    selector_factorized: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -59,13 +66,29 @@ class DraftConfig:
             raise ValueError(f"drafter config: block_size must be at least 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("drafter config: target_layer_ids is empty")
+        if self.is_dflash2:
+            if self.conv_kernel_size < 1 or self.conv_group_size < 1:
+                raise ValueError("DFlash 2 drafter config: conv_kernel_size and conv_group_size must be positive")
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"DFlash 2 drafter config: hidden_size {self.hidden_size} is not a multiple of "
+                    f"conv_group_size {self.conv_group_size}"
+                )
+            if self.selector_rank < 1 or self.selector_top_k < 1:
+                raise ValueError("DFlash 2 drafter config: selector_rank and selector_top_k must be positive")
+            if not self.selector_factorized and self.vocab_size is None:
+                raise ValueError("DFlash 2 drafter config: vocab_size is needed for the selector codebooks")
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
 
     def layer_is_causal(self, layer_idx: int) -> bool:
         sliding = self.layer_types[layer_idx] == "sliding_attention"
         return sliding if self.is_causal is None else self.is_causal
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The DFlash v1 Hugging Face layout (the one `from_hf_dict` reads back)."""
+        """The Hugging Face layout of this architecture (the one `from_hf_dict` reads back)."""
         cfg = dict(self.extra)
         cfg.update(
             architectures=[self.architecture],
@@ -80,37 +103,42 @@ class DraftConfig:
             rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
             layer_types=list(self.layer_types),
-            block_size=self.block_size,
-            dflash_config={
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-                "output_multiplier": self.output_multiplier,
-                "input_embedding_scale": self.input_embedding_scale,
-            },
         )
-        if self.rope_scaling:
-            cfg["rope_scaling"] = self.rope_scaling
-        if self.vocab_size is not None:
-            cfg["vocab_size"] = self.vocab_size
-        if self.sliding_window is not None:
-            cfg["sliding_window"] = self.sliding_window
-        if self.is_causal is not None:
-            cfg["is_causal"] = self.is_causal
-        if self.num_target_layers is not None:
-            cfg["num_target_layers"] = self.num_target_layers
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "output_multiplier": self.output_multiplier,
+            "input_embedding_scale": self.input_embedding_scale,
+        }
         if self.final_logit_softcapping is not None:
-            cfg["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.is_dflash2:
+            dflash.update(
+                block_size=self.block_size,
+                conv_kernel_size=self.conv_kernel_size,
+                conv_group_size=self.conv_group_size,
+                selector_rank=self.selector_rank,
+                selector_top_k=self.selector_top_k,
+            )
+            if self.selector_factorized:
+                dflash["selector_factorized"] = True
+        else:
+            cfg["block_size"] = self.block_size
+        cfg["dflash_config"] = dflash
+        optional = {
+            "rope_scaling": self.rope_scaling,
+            "vocab_size": self.vocab_size,
+            "sliding_window": self.sliding_window,
+            "is_causal": self.is_causal,
+            "num_target_layers": self.num_target_layers,
+        }
+        cfg.update({k: v for k, v in optional.items() if v is not None})
         return cfg
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
         architecture = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
         if architecture not in _LAYOUTS:
-            if architecture == "DFlash2DraftModel":
-                raise ValueError(
-                    "DFlash 2 drafters (DFlash2DraftModel) are not supported by this version of "
-                    "dflash2-mlx yet; use a DFlash v1 drafter"
-                )
             raise ValueError(
                 f"unknown drafter architecture {architecture!r}; supported: {sorted(_LAYOUTS)}"
             )
@@ -179,6 +207,25 @@ def _dflash_v1_fields(cfg: dict) -> dict:
     )
 
 
+def _dflash2_fields(cfg: dict) -> dict:
+    """DFlash2DraftModel: every DFlash field under `dflash_config`."""
+    fields = _dflash_v1_fields(cfg)
+    dflash = cfg["dflash_config"]
+    missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+               if k not in dflash]
+    if missing:
+        raise ValueError(f"DFlash 2 drafter config: dflash_config lacks {missing}")
+    fields.update(
+        block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+        conv_kernel_size=int(dflash["conv_kernel_size"]),
+        conv_group_size=int(dflash["conv_group_size"]),
+        selector_rank=int(dflash["selector_rank"]),
+        selector_top_k=int(dflash["selector_top_k"]),
+        selector_factorized=bool(dflash.get("selector_factorized", False)),
+    )
+    return fields
+
+
 def _muse_v1_fields(cfg: dict) -> dict:
     """Muse-style v1 drafters keep every DFlash field at the top level. Their engines run the block
     bidirectionally even though `layer_types` says sliding (vLLM sets causal=False for them)."""
@@ -198,6 +245,7 @@ def _muse_v1_fields(cfg: dict) -> dict:
 
 _LAYOUTS: dict[str, Callable[[dict], dict]] = {
     "DFlashDraftModel": _dflash_v1_fields,
+    "DFlash2DraftModel": _dflash2_fields,
     "MuseGlimmerAssistantModel": _muse_v1_fields,
 }
 

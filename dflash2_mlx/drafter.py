@@ -4,9 +4,15 @@ It has no embedding table or LM head of its own; `bind` lends it the target's. T
 (outputs of the layers in `target_layer_ids`) are fused by `fc` + `hidden_norm` into one context row per
 committed token, and every layer attends to that context through its own k/v projections ("KV injection")
 in front of the block's keys and values. Only context K/V are cached: the block is recomputed every cycle.
+
+DFlash 2 is the same model with two additions switched on by its config: a dynamic short convolution
+around every attention and MLP sublayer (`short_conv.py`), and a path selector that picks the drafts
+from the top-k candidates of each row (`selector.py`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +20,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
+from .sampling import SamplingParams, probabilities
+from .selector import WALKS, CandidateSelector, walk_greedy, walk_sampled, walk_viterbi
+from .short_conv import DynamicShortConv
 
 
 class Attention(nn.Module):
@@ -95,22 +104,42 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: DraftConfig, layer_idx: int):
         super().__init__()
+        dim = config.hidden_size
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(dim, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        if config.is_dflash2:
+            self.attention_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
+            self.mlp_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    @staticmethod
+    def _sublayer(f, xn: mx.array, conv: DynamicShortConv | None) -> mx.array:
+        if conv is None:
+            return f(xn)
+        taps = conv.coefficients(xn)  # both halves from the normed input
+        return conv(f(conv(xn, 0, taps)), 1, taps)
 
     def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), ctx, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = lambda h: self.self_attn(h, ctx, cache)  # noqa: E731
+        h = x + self._sublayer(attn, self.input_layernorm(x), self.attention_conv)
+        return h + self._sublayer(self.mlp, self.post_attention_layernorm(h), self.mlp_conv)
+
+
+class Proposal(NamedTuple):
+    tokens: mx.array  # [B-1] draft tokens
+    probs: mx.array | None  # [B-1, V] the distribution they were drawn from (T > 0 only)
+    finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
 
 
 class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
     trained or quantized as part of the drafter."""
 
-    def __init__(self, embed, lm_head, embed_scale: float):
-        self.embed, self.lm_head, self.embed_scale = embed, lm_head, embed_scale
+    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int):
+        self.embed, self.lm_head, self.embed_scale, self.vocab_size = embed, lm_head, embed_scale, vocab_size
 
 
 class DFlashDraftModel(nn.Module):
@@ -122,11 +151,15 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
         self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                dim, config.selector_rank, config.selector_top_k, config.vocab_size, config.selector_factorized
+            )
         self._target: _TargetParts | None = None
 
-    def bind(self, embed, lm_head, embed_scale: float = 1.0) -> "DFlashDraftModel":
+    def bind(self, embed, lm_head, vocab_size: int, embed_scale: float = 1.0) -> "DFlashDraftModel":
         """Use the target's embedding and LM head (both stay frozen and owned by the target)."""
-        self._target = _TargetParts(embed, lm_head, embed_scale * self.config.input_embedding_scale)
+        self._target = _TargetParts(embed, lm_head, embed_scale * self.config.input_embedding_scale, vocab_size)
         return self
 
     def make_cache(self) -> list[KVCache]:
@@ -153,6 +186,34 @@ class DFlashDraftModel(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
+    def draft_rows(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> tuple[mx.array, mx.array]:
+        """(normed hidden [B-1, D], logits [B-1, V]) of the draft rows 1..B-1 of `block` [1, B]."""
+        hidden = self.hidden(block, context, cache)[0, 1:]
+        return hidden, self.logits(hidden)
+
     def __call__(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> mx.array:
         """Draft logits for rows 1..B-1 of the block: [1, B-1, V]."""
-        return self.logits(self.hidden(block, context, cache)[:, 1:])
+        return self.draft_rows(block, context, cache)[1][None]
+
+    def propose(
+        self, block: mx.array, context: mx.array, cache: list[KVCache], params: SamplingParams,
+        walk: str = "greedy",
+    ) -> Proposal:
+        """Draft tokens for rows 1..B-1 of `block` [1, B] (see `hidden` for the other arguments)."""
+        if walk not in WALKS:
+            raise ValueError(f"unknown path walk {walk!r}; choose one of {WALKS}")
+        if walk != "greedy" and not self.config.is_dflash2:
+            raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
+        hidden, logits = self.draft_rows(block, context, cache)
+        finite = mx.all(mx.isfinite(logits))
+        if not self.config.is_dflash2:
+            if params.greedy:
+                return Proposal(mx.argmax(logits, axis=-1), None, finite)
+            q = probabilities(logits, params)
+            return Proposal(mx.random.categorical(mx.log(q)), q, finite)
+        lattice = self.candidate_selector.lattice(hidden, logits, block[0, 0], self._target.embed)
+        if params.greedy:
+            idx, q = (walk_viterbi if walk == "viterbi" else walk_greedy)(lattice), None
+        else:
+            idx, q = walk_sampled(lattice, params, self._target.vocab_size)
+        return Proposal(mx.take_along_axis(lattice.candidates, idx[:, None], axis=-1)[:, 0], q, finite)

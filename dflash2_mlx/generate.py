@@ -3,6 +3,7 @@ decode step (a DFlash cycle commits several tokens at once); `generate` runs it 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
@@ -32,6 +33,8 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens) or None
+    verify_mode: str = "dflash"  # what actually ran: "off" also when the prompt exceeded max_context
+    draft_failed: bool = False  # non-finite draft logits: this cycle committed one plain-decoding token
 
 
 @dataclass
@@ -47,6 +50,7 @@ class GenerationResult:
     finish_reason: str | None
     verify_mode: str
     block_size: int | None
+    draft_failures: int = 0  # cycles whose draft logits were non-finite (each fell back to a plain step)
     cycles: int = field(init=False)
     tau: float | None = field(init=False)  # mean tokens committed per cycle, bonus included
 
@@ -65,11 +69,15 @@ def _encode(tokenizer, prompt: str | Sequence[int] | mx.array) -> mx.array:
     return mx.array(prompt, dtype=mx.uint32).reshape(-1)
 
 
+DFLASH2_DEFAULT_BLOCK_CAP = 5
+
+
 def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None) -> int:
-    """oMLX's "Runtime Block Size": at most the checkpoint's, at least 2 (anchor + one draft)."""
+    """oMLX's "Runtime Block Size": at most the checkpoint's, at least 2 (anchor + one draft). Left
+    unset, DFlash 2 drafters run at min(5, trained) as oMLX's MLX engine does; v1 at the trained size."""
     trained = drafter.config.block_size
     if block_size is None:
-        return trained
+        return min(DFLASH2_DEFAULT_BLOCK_CAP, trained) if drafter.config.is_dflash2 else trained
     if not 2 <= block_size <= trained:
         raise ValueError(
             f"block size {block_size} is outside 2..{trained}: a runtime block size can only lower "
@@ -91,11 +99,18 @@ def stream_generate(
     seed: int | None = None,
     block_size: int | None = None,
     verify_mode: str = "dflash",
+    walk: str = "greedy",
+    max_context: int | None = None,
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter` when verify_mode is
-    "dflash", or by plain decoding of the same target when it is "off"."""
+    "dflash", or by plain decoding of the same target when it is "off".
+
+    walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
+    max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
+    the records then say verify_mode "off".
+    """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
     if verify_mode == "dflash" and drafter is None:
@@ -109,6 +124,8 @@ def stream_generate(
     prompt = _encode(tokenizer, prompt)
     if seed is not None:
         mx.random.seed(seed)
+    if max_context is not None and prompt.size >= max_context:
+        verify_mode = "off"
 
     target = bind_drafter(drafter, model) if verify_mode == "dflash" else Target(model)
     if prompt.size and int(prompt.max()) >= target.vocab_size:
@@ -118,7 +135,7 @@ def stream_generate(
         )
     if verify_mode == "dflash":
         block_size = resolve_block_size(drafter, block_size)
-        steps = dflash_steps(target, drafter, prompt, params, block_size, max_tokens, prefill_step_size)
+        steps = dflash_steps(target, drafter, prompt, params, block_size, max_tokens, prefill_step_size, walk)
     else:
         steps = plain_steps(target, prompt, params, prefill_step_size)
 
@@ -128,7 +145,7 @@ def stream_generate(
     tic = time.perf_counter()
     try:
         with wired_limit(model, [generation_stream]):
-            for i, (tokens, accepted) in enumerate(steps):
+            for i, (tokens, accepted, draft_failed) in enumerate(steps):
                 if i == 0:
                     prompt_tps = prompt.size / (time.perf_counter() - tic)
                     tic = time.perf_counter()
@@ -153,6 +170,8 @@ def stream_generate(
                     generation_tps=n / elapsed if i > 0 else 0.0,  # the first token is prefill's
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
+                    verify_mode=verify_mode,
+                    draft_failed=draft_failed,
                 )
                 if finish:
                     return
@@ -169,17 +188,24 @@ def generate(
     **kwargs,
 ) -> GenerationResult:
     """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
-    text, tokens, accepted, last = "", [], [], None
+    text, tokens, accepted, failures, last = "", [], [], 0, None
     for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
         text += last.text
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
+        if last.draft_failed and not failures:
+            print(
+                "[dflash2] the drafter produced non-finite logits (NaN/inf); such cycles fall back to "
+                "plain decoding. Run the drafter in bfloat16 or float32.",
+                file=sys.stderr,
+            )
+        failures += last.draft_failed
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
-    verify_mode = kwargs.get("verify_mode", "dflash")
+    dflash = last.verify_mode == "dflash"
     return GenerationResult(
         text=text,
         tokens=tokens,
@@ -190,6 +216,7 @@ def generate(
         generation_tps=last.generation_tps,
         peak_memory_gb=last.peak_memory,
         finish_reason=last.finish_reason,
-        verify_mode=verify_mode,
-        block_size=resolve_block_size(drafter, kwargs.get("block_size")) if verify_mode == "dflash" else None,
+        verify_mode=last.verify_mode,
+        block_size=resolve_block_size(drafter, kwargs.get("block_size")) if dflash else None,
+        draft_failures=failures,
     )

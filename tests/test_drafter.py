@@ -143,8 +143,11 @@ def test_published_configs_parse():
     assert muse.block_size == 16 and muse.target_layer_ids == (1, 13, 25, 37, 49)
     assert muse.mask_token_id == 201818 and muse.sliding_window == 2048
     assert muse.rope_theta == 500000.0 and muse.head_dim == 128 and muse.is_causal is False
-    with pytest.raises(ValueError, match="DFlash 2 drafters .* not supported"):
-        DraftConfig.from_hf_dict(json.loads((FIXTURES / "dflash2-config.json").read_text()))
+    v2 = DraftConfig.from_hf_dict(json.loads((FIXTURES / "dflash2-config.json").read_text()))
+    assert v2.is_dflash2 and v2.block_size == 16 and v2.target_layer_ids == (1, 13, 25, 37, 49)
+    assert (v2.conv_kernel_size, v2.conv_group_size, v2.selector_rank, v2.selector_top_k) == (2, 16, 256, 16)
+    assert v2.final_logit_softcapping == 20.0 and v2.output_multiplier == pytest.approx(0.196116135)
+    assert v2.is_causal is False and v2.vocab_size == 202048 and v2.num_target_layers == 52
 
 
 def test_default_layer_ids():

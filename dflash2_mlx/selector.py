@@ -1,0 +1,112 @@
+"""DFlash 2's path selector: pick one token per draft row from the top-k candidates, so that adjacent
+picks are compatible.
+
+For draft row t with normed hidden h_t and candidates b (top-k of the draft logits):
+    S_t(a, b) = U_t(b) + <A[a] * H_t, B[b]>,   U_t = draft logits,  H_t = hidden_projection(h_t)
+where A / B are the predecessor / successor codes of tokens (V x R tables, or, factorised, rank-R maps of
+the target's embeddings). All adjacent pair scores form one lattice: the anchor -> row 1 scores [k], then
+k x k scores between consecutive rows. Walks over it:
+  - greedy: prev = anchor, take the argmax of S_t(prev, .), repeat (the reference walk);
+  - viterbi: the path with the maximum total score (exact max-sum dynamic programming);
+  - sampling (T > 0): draw from q_t = softmax(S_t(prev, .) / T) over the candidates; q_t is the draft
+    distribution the rejection step uses, so sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .sampling import SamplingParams, probabilities
+
+WALKS = ("greedy", "viterbi")
+
+
+class Lattice(NamedTuple):
+    candidates: mx.array  # [T, k] token ids, best draft logit first
+    first: mx.array  # [k] S_1(anchor, .)
+    edges: mx.array  # [T-1, k, k] S_t(a, b) for candidates a of row t-1 and b of row t
+
+
+class CandidateSelector(nn.Module):
+    """Hugging Face names: `candidate_selector.{hidden_projection, predecessor_codebook, successor_codebook}`
+    (the codebooks are stored without `.weight`; factorised selectors have `*_projection` maps instead)."""
+
+    def __init__(self, dim: int, rank: int, top_k: int, vocab_size: int | None, factorized: bool = False):
+        super().__init__()
+        self.top_k = top_k
+        self.factorized = factorized
+        self.hidden_projection = nn.Linear(dim, rank, bias=False)
+        if factorized:
+            self.predecessor_projection = nn.Linear(dim, rank, bias=False)
+            self.successor_projection = nn.Linear(dim, rank, bias=False)
+        else:
+            self.predecessor_codebook = nn.Embedding(vocab_size, rank)
+            self.successor_codebook = nn.Embedding(vocab_size, rank)
+
+    def codes(self, ids: mx.array, embed) -> tuple[mx.array, mx.array]:
+        """(predecessor, successor) codes of `ids`; `embed` is the target's embedding (factorised only)."""
+        if self.factorized:
+            e = embed(ids)
+            return self.predecessor_projection(e), self.successor_projection(e)
+        return self.predecessor_codebook(ids), self.successor_codebook(ids)
+
+    def lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> Lattice:
+        """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id."""
+        k = min(self.top_k, logits.shape[-1])
+        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        unary = mx.take_along_axis(logits, top, axis=-1)
+        order = mx.argsort(-unary, axis=-1)  # best first: ties then break the same way on every backend
+        candidates = mx.take_along_axis(top, order, axis=-1)
+        unary = mx.take_along_axis(unary, order, axis=-1).astype(mx.float32)
+        h = self.hidden_projection(hidden).astype(mx.float32)  # [T, R]
+        pred, succ = self.codes(mx.concatenate([anchor.reshape(1), candidates.reshape(-1)]), embed)
+        pred, succ = pred.astype(mx.float32), succ[1:].astype(mx.float32).reshape(*candidates.shape, -1)
+        anchor_code, cand_pred = pred[0], pred[1:].reshape(*candidates.shape, -1)  # [R], [T, k, R]
+        first = unary[0] + succ[0] @ (anchor_code * h[0])
+        edges = unary[1:, None, :] + (cand_pred[:-1] * h[1:, None, :]) @ succ[1:].swapaxes(-1, -2)
+        return Lattice(candidates, first, edges)
+
+
+def walk_greedy(lat: Lattice) -> mx.array:
+    """Indices into each row's candidates [T] by the sequential argmax walk."""
+    idx = [mx.argmax(lat.first)]
+    for e in lat.edges:
+        idx.append(mx.argmax(e[idx[-1]]))
+    return mx.stack(idx)
+
+
+def walk_viterbi(lat: Lattice) -> mx.array:
+    """Indices [T] of the path with the maximum total score sum_t S_t(path[t-1], path[t])."""
+    score, back = lat.first, []
+    for e in lat.edges:
+        total = score[:, None] + e  # [from, to]
+        back.append(mx.argmax(total, axis=0))
+        score = mx.max(total, axis=0)
+    idx = [mx.argmax(score)]
+    for b in reversed(back):
+        idx.append(b[idx[-1]])
+    return mx.stack(idx[::-1])
+
+
+def walk_sampled(lat: Lattice, params: SamplingParams, vocab: int) -> tuple[mx.array, mx.array]:
+    """Sample the path row by row; returns (indices [T], dense draft probabilities q [T, V])."""
+    idx, q_rows = [], []
+    scores = lat.first
+    for t in range(lat.candidates.shape[0]):
+        q = probabilities(scores, params)
+        idx.append(mx.random.categorical(mx.log(q)))
+        q_rows.append(mx.zeros((vocab,), mx.float32).at[lat.candidates[t]].add(q))
+        if t < lat.edges.shape[0]:
+            scores = lat.edges[t][idx[-1]]
+    return mx.stack(idx), mx.stack(q_rows)
+
+
+def path_score(lat: Lattice, idx: mx.array) -> mx.array:
+    """Total score of a path given as candidate indices."""
+    total = lat.first[idx[0]]
+    for t, e in enumerate(lat.edges):
+        total = total + e[idx[t], idx[t + 1]]
+    return total
