@@ -27,12 +27,28 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None,
-        help="runtime block size (draft + verify tokens per cycle); default: the drafter's",
+        help="runtime block size (draft + verify tokens per cycle); default: the drafter's, "
+        "capped at 5 for DFlash 2 as oMLX does",
     )
     p.add_argument(
-        "--verify-mode", choices=["dflash", "off"], default="dflash",
-        help="'off' = plain decoding of the same target through the same loader (the baseline)",
+        "--verify-mode", choices=["dflash", "off"], default=None,
+        help="'off' = plain decoding of the same target through the same loader (the baseline); default dflash",
     )
+    p.add_argument(
+        "--path", choices=["greedy", "viterbi"], default="greedy",
+        help="how a DFlash 2 drafter's path selector walks its candidates at T = 0",
+    )
+    p.add_argument(
+        "--draft-quant", metavar="SPEC",
+        help="quantize the drafter at load, oMLX style: w{bits}a{act}:gs{group}, e.g. w4a16:gs64",
+    )
+    p.add_argument(
+        "--draft-dtype", choices=["bfloat16", "float32"],
+        help="drafter compute dtype (default: float32 on CPU, the stored dtype on Metal; float16 is refused)",
+    )
+    p.add_argument("--max-context", type=int, help="prompts of at least this many tokens run plain decoding")
+    p.add_argument("--omlx-settings", metavar="FILE", help="an oMLX model_settings.json to take DFlash settings from")
+    p.add_argument("--omlx-model", metavar="ID", help="the model id of the entry in --omlx-settings to use")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"],
         help="cast the target's weights (GGUF default: float32 on CPU, quantized tensors kept on Metal)",
@@ -43,10 +59,31 @@ def _generate_parser(sub) -> None:
     p.set_defaults(run=_run_generate)
 
 
+def _apply_omlx_settings(args) -> None:
+    """Fill what the command line left unset from the oMLX entry; explicit flags win."""
+    from dflash2_mlx.settings import from_omlx
+
+    if bool(args.omlx_settings) != bool(args.omlx_model):
+        raise ValueError("--omlx-settings and --omlx-model go together")
+    if not args.omlx_settings:
+        return
+    settings = from_omlx(args.omlx_settings, args.omlx_model)
+    args.model = args.model or args.omlx_model
+    args.draft_model = args.draft_model or settings.draft_model
+    args.verify_mode = args.verify_mode or settings.verify_mode
+    args.block_size = args.block_size or settings.block_size
+    args.max_context = args.max_context or settings.max_context
+    args.draft_quant = args.draft_quant or (str(settings.draft_quant) if settings.draft_quant else None)
+    for note in settings.notes:
+        print(f"[dflash2] oMLX settings: {note}", file=sys.stderr)
+
+
 def _run_generate(args) -> int:
     from dflash2_mlx import generate, load
     from dflash2_mlx.runtime import runtime_info
 
+    _apply_omlx_settings(args)
+    args.verify_mode = args.verify_mode or "dflash"
     if args.verify_mode == "dflash" and not args.draft_model:
         raise ValueError(
             "--verify-mode dflash needs --draft-model (no drafter is bundled for the default target "
@@ -54,7 +91,11 @@ def _run_generate(args) -> int:
         )
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, drafter = load(
-        args.model, args.draft_model if args.verify_mode == "dflash" else None, dtype=args.dtype
+        args.model,
+        args.draft_model if args.verify_mode == "dflash" else None,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        draft_quant=args.draft_quant,
     )
     if not args.ignore_chat_template and tokenizer.has_chat_template:
         prompt = tokenizer.apply_chat_template(
@@ -73,12 +114,52 @@ def _run_generate(args) -> int:
         seed=args.seed,
         block_size=args.block_size,
         verify_mode=args.verify_mode,
+        walk=args.path,
+        max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
     if args.json:
-        print(json.dumps({**result.to_dict(), "runtime": runtime_info()}))
+        extra = {"path": args.path, "draft_quant": args.draft_quant, "runtime": runtime_info()}
+        print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _info_parser(sub) -> None:
+    p = sub.add_parser(
+        "info",
+        help="a drafter's config and parameter counts per component",
+        description="Show a drafter's configuration and where its parameters are.",
+    )
+    p.add_argument("path", help="drafter folder or hub id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_info)
+
+
+def _run_info(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash2_mlx.info import drafter_info
+
+    info = drafter_info(args.path)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    console = Console()
+    cfg = info["config"]
+    console.print(f"[bold]{info['path']}[/]  {cfg['architecture']}")
+    for key in ("num_hidden_layers", "hidden_size", "block_size", "target_layer_ids", "mask_token_id",
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "dtype"):
+        if cfg.get(key) not in (None, 0):
+            console.print(f"  {key}: {cfg[key]}")
+    table = Table("component", "parameters", "share", title="parameters")
+    for name, count in info["parameters"].items():
+        if name != "total":
+            table.add_row(name, f"{count:,}", f"{count / info['parameters']['total']:.1%}")
+    table.add_row("[bold]total[/]", f"[bold]{info['parameters']['total']:,}[/]", "100.0%")
+    console.print(table)
     return 0
 
 
@@ -90,6 +171,8 @@ def _summary(r) -> str:
     ]
     if r.verify_mode == "dflash":
         parts.append(f"tau {r.tau:.2f} over {r.cycles} cycles" if r.cycles else "no cycles")
+    if r.draft_failures:
+        parts.append(f"{r.draft_failures} cycles fell back to plain decoding (non-finite draft logits)")
     parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]
     return " | ".join(parts)
 
@@ -125,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _info_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

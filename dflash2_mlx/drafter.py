@@ -173,8 +173,9 @@ class DFlashDraftModel(nn.Module):
         """
         if self._target is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")
-        h = self._target.embed(block) * self._target.embed_scale
-        ctx = self.hidden_norm(self.fc(context.astype(h.dtype)))
+        dtype = self.norm.weight.dtype  # the drafter's compute dtype, whatever the target's
+        h = (self._target.embed(block) * self._target.embed_scale).astype(dtype)
+        ctx = self.hidden_norm(self.fc(context.astype(dtype)))
         for layer, c in zip(self.layers, cache):
             h = layer(h, ctx, c)
         return self.norm(h)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import glob
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .checkpoints.quantize import DraftQuant, quantize_drafter
 from .config import DraftConfig
 from .drafter import DFlashDraftModel
 from .target import Target
@@ -35,31 +37,75 @@ def resolve_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> 
         ) from e
 
 
-def load_drafter(path_or_repo: str) -> DFlashDraftModel:
-    """A drafter folder in the published DFlash v1 layout: config.json + *.safetensors, no embedding
-    or LM head (the target lends them, see `DFlashDraftModel.bind`)."""
-    path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
-    config = DraftConfig.from_path(path)
+# DFlash 2 checkpoints store the selector codebooks as bare tensors; here they are nn.Embedding weights.
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def read_drafter_weights(path: Path) -> dict[str, mx.array]:
+    """Every tensor of a drafter folder (one or more safetensors files), under this package's names."""
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
     weights = {}
     for f in files:
-        for name, value in mx.load(f).items():
+        try:
+            tensors = mx.load(f)
+        except Exception as e:
+            raise ValueError(f"could not read {f} ({e}): the file is truncated or not safetensors") from e
+        for name, value in tensors.items():
             for old, new in _RENAMES:
                 if name.startswith(old):
                     name = new + name[len(old) :]
-            weights[name] = value
+            weights[name + ".weight" if name in _CODEBOOKS else name] = value
+    return weights
+
+
+def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
+    """The drafter's compute dtype: bfloat16 or float32, never float16 (DFlash 2 drafters give NaN
+    logits in float16). Default: float32 on CPUs (fast with OpenBLAS), the stored dtype on Metal."""
+    if dtype == "float16":
+        raise ValueError(
+            "float16 drafters are refused: DFlash drafters overflow to NaN in float16; use bfloat16 or float32"
+        )
+    if dtype is not None:
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"drafter dtype must be bfloat16 or float32, got {dtype!r}")
+        return getattr(mx, dtype)
+    if not mx.metal.is_available():
+        return mx.float32
+    if stored == mx.float16:
+        print("[dflash2] this drafter is stored in float16; running it in bfloat16 (float16 gives NaN logits)",
+              file=sys.stderr)
+        return mx.bfloat16
+    return stored if stored in (mx.bfloat16, mx.float32) else mx.bfloat16
+
+
+def load_drafter(
+    path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None
+) -> DFlashDraftModel:
+    """A drafter folder in a published layout (DFlash v1, DFlash 2, Muse-style): config.json +
+    *.safetensors, no embedding or LM head (the target lends them, see `DFlashDraftModel.bind`).
+    `quant` quantizes it at load (oMLX's draft quantization); see `drafter_dtype` for `dtype`."""
+    path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
+    config = DraftConfig.from_path(path)
+    weights = read_drafter_weights(path)
     model = DFlashDraftModel(config)
-    expected = {k for k, _ in tree_flatten(model.parameters())}
-    missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+    expected = dict(tree_flatten(model.parameters()))
+    missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(
             f"drafter weights in {path} do not match its config: "
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
+    wrong = [f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})"
+             for k, v in weights.items() if v.shape != expected[k].shape]
+    if wrong:
+        raise ValueError(f"drafter tensors in {path} do not match its config's shapes: {', '.join(wrong[:4])}")
     model.load_weights(list(weights.items()))
+    model.set_dtype(drafter_dtype(weights["norm.weight"].dtype, dtype))
+    if quant is not None:
+        quantize_drafter(model, quant)
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -119,14 +165,24 @@ def load_target(model: str | None = None, dtype: str | None = None, tokenizer_co
     return target_model, tokenizer
 
 
-def load(model: str | None = None, draft_model: str | None = None, dtype: str | None = None, **kwargs):
-    """Load a target (see `load_target`) and, optionally, a DFlash drafter bound to it.
+def load(
+    model: str | None = None,
+    draft_model: str | None = None,
+    dtype: str | None = None,
+    draft_dtype: str | None = None,
+    draft_quant: DraftQuant | str | None = None,
+    **kwargs,
+):
+    """Load a target (see `load_target`) and, optionally, a DFlash drafter bound to it (see
+    `load_drafter`; `draft_quant` may be a spec string like "w4a16:gs64").
 
     Returns (model, tokenizer, drafter) with drafter None when `draft_model` is None.
     """
     target_model, tokenizer = load_target(model, dtype, **kwargs)
     drafter = None
     if draft_model is not None:
-        drafter = load_drafter(draft_model)
+        if isinstance(draft_quant, str):
+            draft_quant = DraftQuant.parse(draft_quant)
+        drafter = load_drafter(draft_model, draft_dtype, draft_quant)
         bind_drafter(drafter, target_model)
     return target_model, tokenizer, drafter

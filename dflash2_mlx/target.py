@@ -130,10 +130,10 @@ class Target:
             return
         originals = {}
         try:
-            for slot, i in enumerate(self.layer_ids):
+            for i in set(self.layer_ids):
                 layer = self.layers[i]
                 originals[i] = type(layer)
-                layer.__dict__["_dflash_tap"] = (self._recorder, slot)
+                layer.__dict__["_dflash_tap"] = (self._recorder, i)
                 layer.__class__ = _tapped_class(type(layer))
             self._capturing = True
             yield self
@@ -151,9 +151,10 @@ class Target:
             return logits, None
         if not self._capturing:
             raise RuntimeError("Target features are recorded only inside `with target.capturing():`")
+        outputs, self._recorder.outputs = self._recorder.outputs, {}
         rows = []
-        for slot, i in enumerate(self.layer_ids):
-            h = self._recorder.outputs.pop(slot)
+        for i in self.layer_ids:
+            h = outputs[i]
             # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
             if i == self.num_layers - 1 and self.final_norm is not None:
                 h = self.final_norm(h)

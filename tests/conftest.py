@@ -34,10 +34,10 @@ TARGET_CONFIGS = {
 }
 
 
-def target_config(arch: str, vocab: int = 256, tied: bool = True) -> dict:
+def target_config(arch: str, vocab: int = 256, tied: bool = True, layers: int = 4) -> dict:
     return dict(
         hidden_size=HIDDEN,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -48,9 +48,9 @@ def target_config(arch: str, vocab: int = 256, tied: bool = True) -> dict:
     )
 
 
-def make_target(arch: str = "qwen3", vocab: int = 256, seed: int = 0, tied: bool = True):
+def make_target(arch: str = "qwen3", vocab: int = 256, seed: int = 0, tied: bool = True, layers: int = 4):
     """An mlx-lm model of the given architecture with deterministic random weights."""
-    config = target_config(arch, vocab, tied)
+    config = target_config(arch, vocab, tied, layers)
     mx.random.seed(seed)
     model, _ = _model_from_config(config)
     # Larger weights than the default init: sharper logits and varied greedy text (the default init
@@ -104,14 +104,29 @@ def drafter_config(model, block_size: int = 16, layers: int = 2, sliding_window=
     return DraftConfig(**fields)
 
 
+DFLASH2 = dict(
+    architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8
+)
+
+
 def make_drafter(model, seed: int = 1, **kw) -> DFlashDraftModel:
+    """A random drafter bound to `model`; DFlash 2 convs get random (non-identity) taps too."""
     from dflash2_mlx.loading import bind_drafter
 
     mx.random.seed(seed)
     drafter = DFlashDraftModel(drafter_config(model, **kw))
+    for layer in drafter.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            if conv is not None:
+                conv.base_kernel = conv.base_kernel + 0.3 * mx.random.normal(conv.base_kernel.shape)
+                conv.kernel_projection.weight = 0.05 * mx.random.normal(conv.kernel_projection.weight.shape)
     mx.eval(drafter.parameters())
     bind_drafter(drafter, model)
     return drafter
+
+
+def make_dflash2_drafter(model, seed: int = 1, **kw) -> DFlashDraftModel:
+    return make_drafter(model, seed, **{**DFLASH2, **kw})
 
 
 class OracleDrafter(DFlashDraftModel):
@@ -204,9 +219,11 @@ def save_target(folder: Path, arch: str = "qwen3", seed: int = 0) -> Path:
 
 
 def save_drafter(folder: Path, drafter: DFlashDraftModel, prefix: str = "") -> Path:
+    """In the published (Hugging Face) layout: DFlash 2 codebooks without `.weight`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
-    weights = {prefix + k: v for k, v in tree_flatten(drafter.parameters())}
+    weights = {prefix + (k.removesuffix(".weight") if "_codebook" in k else k): v
+               for k, v in tree_flatten(drafter.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     return folder
 
@@ -229,6 +246,14 @@ def tiny_pair(tmp_path_factory):
     model, _ = load_model(target_dir)
     drafter = make_drafter(model, block_size=8, mask_token_id=5)
     return target_dir, save_drafter(root / "drafter", drafter)
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash2(tiny_pair, tmp_path_factory):
+    """A DFlash 2 drafter folder for the tiny_pair target."""
+    model, _ = load_model(tiny_pair[0])
+    drafter = make_dflash2_drafter(model, block_size=16, mask_token_id=5)
+    return save_drafter(tmp_path_factory.mktemp("tiny2") / "drafter", drafter)
 
 
 def pytest_configure(config):

@@ -111,3 +111,57 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     assert out["generation_tokens"] == 9 and out["verify_mode"] == "dflash"
     if Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0").exists():  # installed by apps/install.sh
         assert out["runtime"]["blas"] == "openblas"  # the command restarted itself with it preloaded
+
+
+def test_dflash2_flags(tiny_pair, tiny_dflash2, capsys):
+    target, _ = tiny_pair
+    common = ("--model", target, "--prompt", "w1 w2", "--max-tokens", 15, "--json")
+    code, out, _ = run_cli(capsys, *common, "--verify-mode", "off")
+    plain = json.loads(out)["tokens"]
+    for extra in (["--path", "viterbi"], ["--path", "greedy", "--draft-quant", "w8a32:gs32"], ["--block-size", "16"]):
+        code, out, _ = run_cli(capsys, *common, "--draft-model", tiny_dflash2, *extra)
+        r = json.loads(out)
+        assert code == 0 and r["tokens"] == plain, extra
+    assert r["block_size"] == 16
+    code, out, _ = run_cli(capsys, *common, "--draft-model", tiny_dflash2)
+    assert json.loads(out)["block_size"] == 5  # DFlash 2's default cap, as oMLX
+
+
+def test_omlx_settings_drive_the_run(tiny_pair, tiny_dflash2, tmp_path, capsys):
+    target, _ = tiny_pair
+    settings = tmp_path / "model_settings.json"
+    settings.write_text(json.dumps({"version": 1, "models": {"tiny": {
+        "dflash_enabled": True, "dflash_draft_model": str(tiny_dflash2), "dflash_block_size": 3,
+        "dflash_draft_quant_enabled": True, "dflash_draft_quant_weight_bits": 8,
+        "dflash_draft_quant_activation_bits": 32, "dflash_draft_quant_group_size": 32,
+    }}}))
+    code, out, err = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
+                             "--prompt", "w3", "--max-tokens", 6, "--json")
+    r = json.loads(out)
+    assert code == 0 and r["verify_mode"] == "dflash" and r["block_size"] == 3 and r["draft_quant"] == "w8a32:gs32"
+    assert "verify mode 'adaptive' runs as 'dflash' here" in err
+    code, out, _ = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
+                           "--prompt", "w3", "--max-tokens", 6, "--json", "--block-size", 2)
+    assert json.loads(out)["block_size"] == 2  # the command line wins
+
+
+def test_info(tiny_dflash2, capsys):
+    assert main(["info", str(tiny_dflash2), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    params = info["parameters"]
+    assert set(params) == {"attention", "mlp", "norms", "fc", "conv", "selector", "total"}
+    assert sum(v for k, v in params.items() if k != "total") == params["total"]
+    assert info["config"]["architecture"] == "DFlash2DraftModel" and info["config"]["selector_top_k"] == 8
+    assert main(["info", str(tiny_dflash2)]) == 0
+    table = capsys.readouterr().out
+    assert "selector" in table and "conv" in table and "100.0%" in table
+
+
+def test_info_counts_the_published_checkpoint():
+    from dflash2_mlx.info import parameter_counts
+
+    header = json.loads((ROOT / "tests" / "fixtures" / "dflash2-safetensors-header.json").read_text())
+    counts = parameter_counts({k: v["shape"] for k, v in header.items()})
+    assert counts["total"] == 2_772_159_744  # as the fixture's source states
+    assert counts["selector"] == 2 * 202048 * 256 + 256 * 6656
+    assert counts["conv"] == 5 * 2 * (2 * 2 * 6656 + 1664 * 6656)

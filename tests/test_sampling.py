@@ -10,7 +10,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_drafter, make_target
+from conftest import make_dflash2_drafter, make_drafter, make_target
 
 import dflash2_mlx.decode as decode
 from dflash2_mlx import stream_generate
@@ -150,3 +150,39 @@ def test_greedy_sample_is_argmax():
 def test_bad_sampling_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+# -- DFlash 2: the selector's sparse q (top-3 of 4 tokens) is the draft distribution ---------------------
+
+
+@pytest.fixture(scope="module")
+def pair2():
+    model = make_target("llama", vocab=V, seed=21)
+    drafter = make_dflash2_drafter(model, block_size=4, seed=5, output_multiplier=4.0, selector_top_k=3)
+    return model, drafter
+
+
+def test_dflash2_sampling_follows_the_target(pair2, tokenizer):
+    model, drafter = pair2
+    params = SETTINGS[0]
+    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's distribution"
+
+
+def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
+    """Sampling along the selector's path but reporting a uniform q over its candidates breaks it."""
+    import dflash2_mlx.drafter as drafter_module
+    from dflash2_mlx.selector import walk_sampled
+
+    model, drafter = pair2
+    params = SETTINGS[0]
+
+    def wrong_q(lattice, params, vocab):
+        idx, q = walk_sampled(lattice, params, vocab)
+        return idx, mx.softmax(mx.where(q > 0, 0.0, -mx.inf), axis=-1)  # uniform over the candidates
+
+    monkeypatch.setattr(drafter_module, "walk_sampled", wrong_q)
+    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    assert stat > critical, f"a wrong q passed: chi2 {stat:.1f} < {critical:.1f}"

@@ -1,0 +1,74 @@
+"""Where a drafter's parameters are, per component (as the DFlash 2 write-up reports them), read from
+the safetensors headers alone: no tensor is loaded, so it is instant even for multi-GB drafters."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import struct
+from dataclasses import asdict
+from pathlib import Path
+
+from .config import DraftConfig
+
+COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
+
+
+def safetensors_header(path: str | Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of one safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a safetensors file (bad header: {e})") from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def component(name: str) -> str:
+    """The component a (Hugging Face) drafter tensor name belongs to."""
+    if name.startswith("candidate_selector."):
+        return "selector"
+    if "_conv." in name:
+        return "conv"
+    if ".self_attn." in name and not name.endswith("_norm.weight"):
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    if name.startswith(("fc.", "encoder.fc.")):
+        return "fc"
+    return "norms"
+
+
+def parameter_counts(shapes: dict[str, list[int]]) -> dict[str, int]:
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for name, shape in shapes.items():
+        counts[component(name.removeprefix("model."))] += math.prod(shape)
+    counts = {k: v for k, v in counts.items() if v}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def drafter_info(path_or_repo: str) -> dict:
+    from .loading import resolve_path
+
+    path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
+    config = DraftConfig.from_path(path)
+    header = {}
+    for f in sorted(glob.glob(str(path / "*.safetensors"))):
+        header.update(safetensors_header(f))
+    if not header:
+        raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
+    cfg = asdict(config)
+    cfg.pop("extra")
+    cfg["dtype"] = sorted({t["dtype"] for t in header.values()})
+    return {
+        "path": str(path),
+        "config": cfg,
+        "parameters": parameter_counts({k: v["shape"] for k, v in header.items()}),
+    }
