@@ -4,8 +4,8 @@ picks are compatible.
 For draft row t with normed hidden h_t and candidates b (top-k of the draft logits):
     S_t(a, b) = U_t(b) + <A[a] * H_t, B[b]>,   U_t = draft logits,  H_t = hidden_projection(h_t)
 where A / B are the predecessor / successor codes of tokens (V x R tables, or, factorised, rank-R maps of
-the target's embeddings). All adjacent pair scores form one lattice: the anchor -> row 1 scores [k], then
-k x k scores between consecutive rows. Walks over it:
+the target's embeddings). All adjacent pair scores form one lattice tensor [T, k, k]: row 0 holds the
+anchor -> row 1 scores (the same for every `a`), row t the k x k scores between rows t-1 and t. Walks:
   - greedy: prev = anchor, take the argmax of S_t(prev, .), repeat (the reference walk);
   - viterbi: the path with the maximum total score (exact max-sum dynamic programming);
   - sampling (T > 0): draw from q_t = softmax(S_t(prev, .) / T) over the candidates; q_t is the draft
@@ -26,8 +26,8 @@ WALKS = ("greedy", "viterbi")
 
 class Lattice(NamedTuple):
     candidates: mx.array  # [T, k] token ids, best draft logit first
-    first: mx.array  # [k] S_1(anchor, .)
-    edges: mx.array  # [T-1, k, k] S_t(a, b) for candidates a of row t-1 and b of row t
+    scores: mx.array  # [T, k, k]: scores[t, a, b] = S_t(candidate a of row t-1, candidate b of row t);
+    # for t = 0 the predecessor is the anchor, whatever a
 
 
 class CandidateSelector(nn.Module):
@@ -65,27 +65,27 @@ class CandidateSelector(nn.Module):
         pred, succ = self.codes(mx.concatenate([anchor.reshape(1), candidates.reshape(-1)]), embed)
         pred, succ = pred.astype(mx.float32), succ[1:].astype(mx.float32).reshape(*candidates.shape, -1)
         anchor_code, cand_pred = pred[0], pred[1:].reshape(*candidates.shape, -1)  # [R], [T, k, R]
-        first = unary[0] + succ[0] @ (anchor_code * h[0])
-        edges = unary[1:, None, :] + (cand_pred[:-1] * h[1:, None, :]) @ succ[1:].swapaxes(-1, -2)
-        return Lattice(candidates, first, edges)
+        pred_rows = mx.concatenate([mx.broadcast_to(anchor_code, (1, k, anchor_code.size)), cand_pred[:-1]])
+        scores = unary[:, None, :] + (pred_rows * h[:, None, :]) @ succ.swapaxes(-1, -2)
+        return Lattice(candidates, scores)
 
 
 def walk_greedy(lat: Lattice) -> mx.array:
     """Indices into each row's candidates [T] by the sequential argmax walk."""
-    idx = [mx.argmax(lat.first)]
-    for e in lat.edges:
-        idx.append(mx.argmax(e[idx[-1]]))
+    idx = [mx.argmax(lat.scores[0, 0])]
+    for row in lat.scores[1:]:
+        idx.append(mx.argmax(row[idx[-1]]))
     return mx.stack(idx)
 
 
 def walk_viterbi(lat: Lattice) -> mx.array:
     """Indices [T] of the path with the maximum total score sum_t S_t(path[t-1], path[t])."""
-    score, back = lat.first, []
-    for e in lat.edges:
-        total = score[:, None] + e  # [from, to]
+    best, back = lat.scores[0, 0], []
+    for row in lat.scores[1:]:
+        total = best[:, None] + row  # [from, to]
         back.append(mx.argmax(total, axis=0))
-        score = mx.max(total, axis=0)
-    idx = [mx.argmax(score)]
+        best = mx.max(total, axis=0)
+    idx = [mx.argmax(best)]
     for b in reversed(back):
         idx.append(b[idx[-1]])
     return mx.stack(idx[::-1])
@@ -93,20 +93,16 @@ def walk_viterbi(lat: Lattice) -> mx.array:
 
 def walk_sampled(lat: Lattice, params: SamplingParams, vocab: int) -> tuple[mx.array, mx.array]:
     """Sample the path row by row; returns (indices [T], dense draft probabilities q [T, V])."""
-    idx, q_rows = [], []
-    scores = lat.first
+    idx, q_rows, prev = [], [], 0
     for t in range(lat.candidates.shape[0]):
-        q = probabilities(scores, params)
-        idx.append(mx.random.categorical(mx.log(q)))
+        q = probabilities(lat.scores[t, prev], params)
+        prev = mx.random.categorical(mx.log(q))
+        idx.append(prev)
         q_rows.append(mx.zeros((vocab,), mx.float32).at[lat.candidates[t]].add(q))
-        if t < lat.edges.shape[0]:
-            scores = lat.edges[t][idx[-1]]
     return mx.stack(idx), mx.stack(q_rows)
 
 
 def path_score(lat: Lattice, idx: mx.array) -> mx.array:
     """Total score of a path given as candidate indices."""
-    total = lat.first[idx[0]]
-    for t, e in enumerate(lat.edges):
-        total = total + e[idx[t], idx[t + 1]]
-    return total
+    prev = mx.concatenate([mx.zeros((1,), idx.dtype), idx[:-1]])
+    return mx.sum(lat.scores[mx.arange(idx.size), prev, idx])

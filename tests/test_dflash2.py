@@ -118,24 +118,24 @@ def test_lattice_matches_reference(T):
         np.array(sel.hidden_projection.weight, np.float64), k,
     )
     np.testing.assert_array_equal(np.array(lat.candidates), cand)
-    np.testing.assert_allclose(np.array(lat.first), first, atol=1e-4, rtol=1e-5)
-    np.testing.assert_allclose(np.array(lat.edges), edges.reshape(np.array(lat.edges).shape), atol=1e-4, rtol=1e-5)
+    scores = np.array(lat.scores)
+    assert scores.shape == (T, 8, 8)
+    np.testing.assert_allclose(scores[0], np.broadcast_to(first, (8, 8)), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(scores[1:], edges, atol=1e-4, rtol=1e-5)
 
 
 def random_lattice(T, k, seed) -> Lattice:
     rng = np.random.default_rng(seed)
-    return Lattice(
-        mx.array(rng.integers(0, 1000, size=(T, k))),
-        mx.array(rng.normal(size=k).astype(np.float32)),
-        mx.array(rng.normal(size=(T - 1, k, k)).astype(np.float32)),
-    )
+    scores = rng.normal(size=(T, k, k)).astype(np.float32)
+    scores[0] = scores[0, 0]  # row 0: one predecessor, the anchor
+    return Lattice(mx.array(rng.integers(0, 1000, size=(T, k))), mx.array(scores))
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_walks_against_brute_force(seed):
     T, k = 4, 3
     lat = random_lattice(T, k, seed)
-    first, edges = np.array(lat.first), np.array(lat.edges)
+    first, edges = np.array(lat.scores)[0, 0], np.array(lat.scores)[1:]
     # the sequential reference walk
     prev, seq = None, []
     for t in range(T):
