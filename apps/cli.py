@@ -126,6 +126,62 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _convert_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="Hugging Face / CUDA drafter (or GGUF target) -> MLX folder",
+        description="Convert a DFlash v1 / DFlash 2 / Muse-style drafter in the Hugging Face layout (the one "
+        "the CUDA engines use) to an MLX folder, optionally quantized; or a GGUF target to an mlx-lm folder.",
+    )
+    p.add_argument("--hf-path", required=True, help="drafter folder, hub id, or a .gguf target file")
+    p.add_argument("--mlx-path", required=True, help="output folder")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
+                   help="weights dtype (drafters: default bfloat16; GGUF: default keeps quantized tensors)")
+    p.add_argument("--force-float16", action="store_true", help="allow a float16 drafter (NaN-prone)")
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize the drafter (mlx-lm format)")
+    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--activation-bits", type=int, default=16, choices=[16, 32],
+                   help="compute dtype of the quantized drafter at run time: 16 = bfloat16, 32 = float32")
+    p.set_defaults(run=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from dflash2_mlx.checkpoints.gguf import convert_gguf
+    from dflash2_mlx.checkpoints.hf import convert
+    from dflash2_mlx.checkpoints.quantize import DraftQuant
+
+    if args.hf_path.endswith(".gguf"):
+        if args.quantize:
+            raise ValueError("-q applies to drafters; a GGUF target keeps its own quantization (or --dtype)")
+        out = convert_gguf(args.hf_path, args.mlx_path, args.dtype)
+    else:
+        quant = DraftQuant(args.q_bits, args.activation_bits, args.q_group_size) if args.quantize else None
+        out = convert(args.hf_path, args.mlx_path, args.dtype or "bfloat16", quant, args.force_float16)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="MLX drafter folder -> Hugging Face layout for the CUDA engines",
+        description="Write an MLX drafter back in the Hugging Face layout (names, config, safetensors) that "
+        "SGLang, vLLM and the authors' PyTorch code load. Quantized drafters are written dequantized.",
+    )
+    p.add_argument("--mlx-path", required=True)
+    p.add_argument("--hf-path", required=True)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    from dflash2_mlx.checkpoints.hf import export
+
+    print(f"wrote {export(args.mlx_path, args.hf_path, args.dtype)}", file=sys.stderr)
+    return 0
+
+
 def _info_parser(sub) -> None:
     p = sub.add_parser(
         "info",
@@ -151,7 +207,8 @@ def _run_info(args) -> int:
     cfg = info["config"]
     console.print(f"[bold]{info['path']}[/]  {cfg['architecture']}")
     for key in ("num_hidden_layers", "hidden_size", "block_size", "target_layer_ids", "mask_token_id",
-                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "dtype"):
+                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "dtype",
+                "quantization"):
         if cfg.get(key) not in (None, 0):
             console.print(f"  {key}: {cfg[key]}")
     table = Table("component", "parameters", "share", title="parameters")
@@ -208,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _convert_parser(sub)
+    _export_parser(sub)
     _info_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -124,12 +124,16 @@ class DraftConfig:
                 dflash["selector_factorized"] = True
         else:
             cfg["block_size"] = self.block_size
-        cfg["dflash_config"] = dflash
+        if self.architecture == "MuseGlimmerAssistantModel":
+            cfg.update(dflash)  # Muse keeps every field at the top level
+            cfg["model_type"] = "muse_glimmer_assistant"
+        else:
+            cfg["dflash_config"] = dflash
         optional = {
             "rope_scaling": self.rope_scaling,
             "vocab_size": self.vocab_size,
             "sliding_window": self.sliding_window,
-            "is_causal": self.is_causal,
+            "is_causal": None if self.architecture == "MuseGlimmerAssistantModel" else self.is_causal,
             "num_target_layers": self.num_target_layers,
         }
         cfg.update({k: v for k, v in optional.items() if v is not None})
@@ -188,6 +192,7 @@ _OTHER_FIELDS = {
     "rope_parameters", "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window",
     "num_target_layers", "block_size", "dflash_config", "is_causal", "mask_token_id",
     "target_layer_ids", "final_logit_softcapping", "output_multiplier", "input_embedding_scale",
+    "mlx", "quantization",  # written by `dflash2 convert`, read by load_drafter
 }
 
 

@@ -3,13 +3,13 @@ the safetensors headers alone: no tensor is loaded, so it is instant even for mu
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import struct
 from dataclasses import asdict
 from pathlib import Path
 
+from .checkpoints.hf import safetensors_files
 from .config import DraftConfig
 
 COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
@@ -45,10 +45,17 @@ def component(name: str) -> str:
     return "norms"
 
 
-def parameter_counts(shapes: dict[str, list[int]]) -> dict[str, int]:
+def parameter_counts(shapes: dict[str, list[int]], bits: int | None = None) -> dict[str, int]:
+    """Parameters per component; with `bits`, quantized weights (packed in uint32, with scales and
+    biases beside them) count as the dense matrices they stand for."""
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, shape in shapes.items():
-        counts[component(name.removeprefix("model."))] += math.prod(shape)
+        base, _, suffix = name.rpartition(".")
+        quantized = bits is not None and f"{base}.scales" in shapes
+        if quantized and suffix in ("scales", "biases"):
+            continue
+        size = math.prod(shape) * (32 // bits if quantized else 1)
+        counts[component(name.removeprefix("model."))] += size
     counts = {k: v for k, v in counts.items() if v}
     counts["total"] = sum(counts.values())
     return counts
@@ -60,15 +67,16 @@ def drafter_info(path_or_repo: str) -> dict:
     path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
     config = DraftConfig.from_path(path)
     header = {}
-    for f in sorted(glob.glob(str(path / "*.safetensors"))):
+    for f in safetensors_files(path):
         header.update(safetensors_header(f))
-    if not header:
-        raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
+    raw = json.loads((path / "config.json").read_text())
     cfg = asdict(config)
     cfg.pop("extra")
     cfg["dtype"] = sorted({t["dtype"] for t in header.values()})
+    cfg["quantization"] = raw.get("mlx", {}).get("quantization")
+    bits = (raw.get("quantization") or {}).get("bits")
     return {
         "path": str(path),
         "config": cfg,
-        "parameters": parameter_counts({k: v["shape"] for k, v in header.items()}),
+        "parameters": parameter_counts({k: v["shape"] for k, v in header.items()}, bits),
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import glob
+import json
 import sys
 from pathlib import Path
 
@@ -10,14 +10,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .checkpoints import hf
 from .checkpoints.quantize import DraftQuant, quantize_drafter
 from .config import DraftConfig
 from .drafter import DFlashDraftModel
 from .target import Target
-
-# Names some engines give the same tensors.
-_RENAMES = (("model.", ""), ("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
-
 
 def resolve_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face hub id, fetched (or found in the local hub cache)."""
@@ -35,29 +32,6 @@ def resolve_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> 
             f"could not fetch {path_or_repo!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
             "pass a local folder instead, or check the id and your network"
         ) from e
-
-
-# DFlash 2 checkpoints store the selector codebooks as bare tensors; here they are nn.Embedding weights.
-_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-
-
-def read_drafter_weights(path: Path) -> dict[str, mx.array]:
-    """Every tensor of a drafter folder (one or more safetensors files), under this package's names."""
-    files = sorted(glob.glob(str(path / "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
-    weights = {}
-    for f in files:
-        try:
-            tensors = mx.load(f)
-        except Exception as e:
-            raise ValueError(f"could not read {f} ({e}): the file is truncated or not safetensors") from e
-        for name, value in tensors.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-            weights[name + ".weight" if name in _CODEBOOKS else name] = value
-    return weights
 
 
 def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
@@ -83,13 +57,22 @@ def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
 def load_drafter(
     path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None
 ) -> DFlashDraftModel:
-    """A drafter folder in a published layout (DFlash v1, DFlash 2, Muse-style): config.json +
-    *.safetensors, no embedding or LM head (the target lends them, see `DFlashDraftModel.bind`).
-    `quant` quantizes it at load (oMLX's draft quantization); see `drafter_dtype` for `dtype`."""
+    """A drafter folder: a published Hugging Face layout (DFlash v1, DFlash 2, Muse-style; config.json +
+    safetensors, no embedding or LM head: the target lends them, see `DFlashDraftModel.bind`) or an MLX
+    folder written by `dflash2 convert` (possibly quantized). `quant` quantizes it at load (oMLX's draft
+    quantization); see `drafter_dtype` for `dtype`."""
     path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
     config = DraftConfig.from_path(path)
-    weights = read_drafter_weights(path)
+    raw = json.loads((path / "config.json").read_text())
+    weights = hf.read_weights(path)
     model = DFlashDraftModel(config)
+    stored_quant = raw.get("mlx", {}).get("quantization")
+    if stored_quant:
+        stored_quant = DraftQuant.parse(stored_quant)
+        nn.quantize(
+            model, group_size=stored_quant.group_size, bits=stored_quant.bits,
+            class_predicate=lambda p, _: f"{p}.scales" in weights,
+        )
     expected = dict(tree_flatten(model.parameters()))
     missing, unexpected = sorted(expected.keys() - weights.keys()), sorted(weights.keys() - expected.keys())
     if missing or unexpected:
@@ -103,9 +86,14 @@ def load_drafter(
     if wrong:
         raise ValueError(f"drafter tensors in {path} do not match its config's shapes: {', '.join(wrong[:4])}")
     model.load_weights(list(weights.items()))
-    model.set_dtype(drafter_dtype(weights["norm.weight"].dtype, dtype))
-    if quant is not None:
-        quantize_drafter(model, quant)
+    if stored_quant:
+        if quant is not None:
+            raise ValueError(f"{path} is already quantized ({stored_quant}); drop the draft quantization")
+        model.set_dtype(stored_quant.compute_dtype)
+    else:
+        model.set_dtype(drafter_dtype(weights["norm.weight"].dtype, dtype))
+        if quant is not None:
+            quantize_drafter(model, quant)
     mx.eval(model.parameters())
     model.eval()
     return model

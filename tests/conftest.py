@@ -258,3 +258,58 @@ def tiny_dflash2(tiny_pair, tmp_path_factory):
 
 def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+# -- synthetic checkpoints with the published layouts ----------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# real dimension -> tiny dimension, for every size in the published DFlash 2 checkpoint's header
+SHRINK = {6656: 64, 33280: 320, 19968: 128, 4096: 64, 1024: 32, 128: 16, 202048: 256, 256: 16, 1664: 16, 2: 2}
+LAYOUTS = ("v1", "dflash2", "muse")
+
+
+def synthetic_checkpoint(folder: Path, layout: str, shards: int = 1, prefix: str = "", seed: int = 1) -> Path:
+    """A drafter folder with the tensor names, dtype (bf16) and ranks of the published checkpoints and the
+    config of its layout, every dimension shrunk; for a 6-layer, hidden-64, vocabulary-256 target.
+    v1 = the DFlash 2 header without conv and selector; muse = v1 with Muse's names and config."""
+    header = json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text())
+    cfg = json.loads((FIXTURES / "dflash2-config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               vocab_size=256, num_target_layers=6)
+    cfg["dflash_config"].update(selector_rank=16, mask_token_id=250, target_layer_ids=[0, 1, 2, 3, 5])
+    if layout != "dflash2":
+        header = {k: v for k, v in header.items() if "_conv." not in k and "candidate_selector" not in k}
+        dflash = cfg.pop("dflash_config")
+        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["block_size"] = dflash["block_size"]
+        cfg["dflash_config"] = {k: dflash[k] for k in ("mask_token_id", "target_layer_ids")}
+    if layout == "muse":
+        muse = json.loads((FIXTURES / "muse-v1-assistant-config.json").read_text())
+        dflash = cfg.pop("dflash_config")
+        muse.update({k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                          "num_key_value_heads", "head_dim", "vocab_size")}, **dflash)
+        cfg = muse
+        header = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
+                  k.replace("hidden_norm.", "encoder.output_norm_enc.", 1) if k.startswith("hidden_norm.") else k: v
+                  for k, v in header.items()}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, meta in header.items():
+        assert meta["dtype"] == "BF16"
+        shape = [SHRINK[d] for d in meta["shape"]]
+        scale = 1.0 if name.endswith("norm.weight") else 0.1
+        tensors[prefix + name] = mx.array(rng.normal(size=shape).astype(np.float32) * scale).astype(mx.bfloat16)
+    names = sorted(tensors)
+    if shards == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+        return folder
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in names[i::shards]}
+        mx.save_safetensors(str(folder / file), part)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder

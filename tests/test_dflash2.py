@@ -4,13 +4,14 @@ written from the formulas, the walks against brute force, and lossless decoding 
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
+from conftest import (
+    DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter, synthetic_checkpoint,
+)
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, generate, load_drafter
@@ -219,33 +220,8 @@ def test_non_finite_drafts_fall_back_to_plain_decoding(tokenizer, capsys):
 
 # -- the published DFlash 2 layout, shrunk ----------------------------------------------------------------
 
-# real dimension -> tiny dimension, for every size that occurs in the real checkpoint's header
-SHRINK = {6656: 64, 33280: 320, 19968: 128, 4096: 64, 1024: 32, 128: 16, 202048: 256, 256: 16, 1664: 16, 2: 2}
-
-
-def synthetic_dflash2(folder: Path) -> Path:
-    """A drafter folder with every tensor name, dtype and rank of the real DFlash 2 checkpoint, and its
-    config, with each dimension shrunk (codebooks stored without `.weight`, as published)."""
-    header = json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text())
-    cfg = json.loads((FIXTURES / "dflash2-config.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               vocab_size=256, num_target_layers=6)
-    cfg["dflash_config"].update(selector_rank=16, mask_token_id=250, target_layer_ids=[0, 1, 2, 3, 5])
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng(1)
-    tensors = {}
-    for name, meta in header.items():
-        assert meta["dtype"] == "BF16"
-        shape = [SHRINK[d] for d in meta["shape"]]
-        scale = 1.0 if name.endswith("norm.weight") else 0.1
-        tensors[name] = mx.array(rng.normal(size=shape).astype(np.float32) * scale).astype(mx.bfloat16)
-    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
-    return folder
-
-
 def test_published_layout_loads_and_decodes(tmp_path, tokenizer):
-    folder = synthetic_dflash2(tmp_path / "d2")
+    folder = synthetic_checkpoint(tmp_path / "d2", "dflash2")
     drafter = load_drafter(str(folder))
     assert drafter.config.is_dflash2 and drafter.config.final_logit_softcapping == 20.0
     assert drafter.norm.weight.dtype == mx.float32  # bf16 on disk, float32 compute on a CPU

@@ -215,3 +215,24 @@ def load_gguf(path: str | Path, dtype: str | None = None):
     config = model_config(meta, tensors)
     model = build_model(mlx_weights(tensors, config), config, dtype)
     return model, build_tokenizer(meta)
+
+
+def convert_gguf(path: str | Path, mlx_path: str | Path, dtype: str | None = None) -> Path:
+    """A GGUF target -> an mlx-lm model folder (config, safetensors, tokenizer), once, so that later
+    loads skip the GGUF decoding. dtype None keeps Q4_0/Q4_1/Q8_0 tensors quantized (mlx-lm's format)."""
+    from mlx_lm.utils import save_config, save_model
+
+    tensors, meta = read(path)
+    config = model_config(meta, tensors)
+    weights = mlx_weights(tensors, config)
+    if dtype is None:
+        layers = {k[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": _bits(weights, k[: -len(".scales")])}
+                  for k in weights if k.endswith(".scales")}
+        if layers:
+            config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **layers}
+    model = build_model(weights, config, dtype)
+    out = Path(mlx_path)
+    save_model(out, model, donate_model=True)
+    save_config(config, out / "config.json")
+    build_tokenizer(meta)._tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,183 @@
+"""One conversion path between the drafter checkpoints the CUDA engines use (Hugging Face / PyTorch
+layout: DFlash v1, DFlash 2, Muse-style v1) and this package's MLX folders.
+
+Hugging Face side: config.json in the drafter's own layout, one or more safetensors files (with or without
+`model.safetensors.index.json`), names with or without a `model.` prefix, Muse's `encoder.fc` /
+`encoder.output_norm_enc`, DFlash 2 codebooks stored without `.weight`.
+MLX side: the same config.json plus an `mlx` record of what was done (dtype, quantization in mlx-lm's
+format), tensors under this package's module names (quantized ones as weight/scales/biases triples).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..config import DraftConfig
+from .quantize import MIN_QUANTIZED_SIZE, DraftQuant, quantize_drafter
+
+INDEX = "model.safetensors.index.json"
+_READ_RENAMES = (("model.", ""), ("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
+_MUSE_NAMES = (("fc.", "encoder.fc."), ("hidden_norm.", "encoder.output_norm_enc."))
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+MAX_SHARD_GB = 5
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint folder: those its index names, else every *.safetensors."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({e})") from e
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are not there: {missing}")
+        return files
+    files = [Path(f) for f in sorted(glob.glob(str(path / "*.safetensors")))]
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
+    return files
+
+
+def read_weights(path: Path) -> dict[str, mx.array]:
+    """Every tensor of a drafter folder (either layout), under this package's module names."""
+    weights = {}
+    for f in safetensors_files(path):
+        try:
+            tensors = mx.load(str(f))
+        except Exception as e:
+            raise ValueError(f"could not read {f} ({e}): the file is truncated or not safetensors") from e
+        for name, value in tensors.items():
+            for old, new in _READ_RENAMES:
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+            weights[name + ".weight" if name in _CODEBOOKS else name] = value
+    return weights
+
+
+def hf_names(weights: dict[str, mx.array], config: DraftConfig) -> dict[str, mx.array]:
+    """This package's names -> the Hugging Face layout of `config`'s architecture."""
+    out = {}
+    for name, value in weights.items():
+        if name.removesuffix(".weight") in _CODEBOOKS:
+            name = name.removesuffix(".weight")
+        if config.architecture == "MuseGlimmerAssistantModel":
+            for old, new in _MUSE_NAMES:
+                if name.startswith(old):
+                    name = new + name[len(old) :]
+        out[name] = value
+    return out
+
+
+def write_weights(path: Path, weights: dict[str, mx.array]) -> None:
+    """safetensors files of at most MAX_SHARD_GB each, with an index when there are several."""
+    from mlx_lm.utils import make_shards
+
+    shards = make_shards(weights, MAX_SHARD_GB)
+    if len(shards) == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(v.nbytes for v in weights.values())
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _fresh_folder(path: Path, source: Path) -> None:
+    if path.resolve() == source.resolve():
+        raise ValueError(f"the output folder {path} is the input folder; choose another")
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("*.safetensors"), path / INDEX]:
+        old.unlink(missing_ok=True)
+
+
+def convert(
+    hf_path: str,
+    mlx_path: str | Path,
+    dtype: str = "bfloat16",
+    quant: DraftQuant | None = None,
+    force_float16: bool = False,
+    min_quantized_size: int = MIN_QUANTIZED_SIZE,
+) -> Path:
+    """A Hugging Face drafter (folder or hub id) -> an MLX folder that `load_drafter` reads. With
+    `quant`, tensors of at least `min_quantized_size` values are quantized."""
+    from ..loading import load_drafter, resolve_path
+
+    if dtype == "float16" and not force_float16:
+        raise ValueError(
+            "float16 drafters overflow to NaN (DFlash 2 logits); convert to bfloat16 or float32, "
+            "or pass --force-float16 if you know this drafter is safe"
+        )
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"dtype must be bfloat16, float32 or float16, got {dtype!r}")
+    source = resolve_path(hf_path, allow_patterns=["*.json", "*.safetensors"])
+    drafter = load_drafter(str(source), dtype="float32")  # checks names and shapes against the config
+    drafter.set_dtype(getattr(mx, dtype))
+    record = {"dtype": dtype, "converted_from": str(hf_path)}
+    if quant is not None:
+        if quantize_drafter(drafter, quant, min_quantized_size) == 0:
+            raise ValueError(
+                f"no tensor of this drafter is large enough to quantize ({quant}); convert it unquantized"
+            )
+        record["quantization"] = str(quant)
+    out = Path(mlx_path)
+    _fresh_folder(out, source)
+    config = json.loads((source / "config.json").read_text())
+    config["mlx"] = record
+    config.pop("quantization", None)
+    if quant is not None:
+        config["quantization"] = {"group_size": quant.group_size, "bits": quant.bits}  # mlx-lm's key
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_weights(out, dict(tree_flatten(drafter.parameters())))
+    return out
+
+
+def dequantized(drafter: nn.Module) -> dict[str, mx.array]:
+    """The drafter's tensors with every quantized weight expanded back to a dense matrix."""
+    weights = dict(tree_flatten(drafter.parameters()))
+    for path, module in drafter.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            prefix = f"{path}." if path else ""
+            w = mx.dequantize(module.weight, module.scales, module.biases, module.group_size, module.bits)
+            weights[f"{prefix}weight"] = w
+            del weights[f"{prefix}scales"], weights[f"{prefix}biases"]
+    return weights
+
+
+def export(mlx_path: str, hf_path: str | Path, dtype: str = "bfloat16") -> Path:
+    """An MLX folder -> the Hugging Face layout the CUDA engines load (bf16 by default). A quantized
+    drafter is written dequantized, and its config says so."""
+    from ..loading import load_drafter, resolve_path
+
+    source = resolve_path(mlx_path)
+    drafter = load_drafter(str(source), dtype="float32")
+    config = json.loads((source / "config.json").read_text())
+    mlx_record = config.pop("mlx", {})
+    config.pop("quantization", None)
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in dequantized(drafter).items()}
+    if "quantization" in mlx_record:
+        config["dflash2_mlx_note"] = (
+            f"dequantized from a {mlx_record['quantization']} MLX drafter: the weights carry its "
+            "quantization error"
+        )
+    config["dtype"] = dtype
+    out = Path(hf_path)
+    _fresh_folder(out, source)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_weights(out, hf_names(weights, drafter.config))
+    for extra in ("README.md", "LICENSE"):
+        if (source / extra).is_file():
+            shutil.copy(source / extra, out / extra)
+    return out
