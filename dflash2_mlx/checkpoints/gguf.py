@@ -1,7 +1,8 @@
 """GGUF targets (llama.cpp files) as mlx-lm models, without torch.
 
 `mx.load` reads the tensors and metadata; Q4_0 / Q4_1 / Q8_0 tensors arrive as MLX quantized triples
-(weight, scales, biases; group 32). This module maps llama.cpp tensor names to mlx-lm's (Hugging Face)
+(weight, scales, biases; group 32). Files with other quantizations (K-quants, Q5_0, ...) are read with
+llama.cpp's own reader (`gguf` on PyPI) and dequantized. This module maps llama.cpp tensor names to mlx-lm's (Hugging Face)
 names, undoes the Q/K row permutation llama.cpp applies to llama-architecture models, keeps the quantized
 tensors quantized or dequantizes them, and rebuilds the tokenizer and chat template from the metadata.
 """
@@ -50,15 +51,33 @@ def _meta(meta: dict, key: str, default=None):
 
 
 def read(path: str | Path) -> tuple[dict[str, mx.array], dict]:
+    """(tensors, metadata). Q4_0/Q4_1/Q8_0 tensors come as MLX quantized triples when MLX can read every
+    tensor of the file; otherwise every tensor comes dequantized to float32."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
         return mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise ValueError(
-            f"could not read GGUF file {path} ({e}): the file is truncated or not a GGUF file"
-        ) from e
+    except Exception as mlx_error:  # MLX reads only some quantization types
+        try:
+            return _read_dequantized(path)
+        except Exception as e:
+            raise ValueError(
+                f"could not read GGUF file {path} ({mlx_error}; {e}): the file is truncated or not a GGUF file"
+            ) from e
+
+
+def _read_dequantized(path: Path) -> tuple[dict[str, mx.array], dict]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {}
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type)
+        tensors[t.name] = mx.array(data.reshape(tuple(int(d) for d in reversed(t.shape))).astype("float32"))
+    return tensors, meta
 
 
 def model_config(meta: dict, tensors: dict[str, mx.array]) -> dict:
@@ -210,8 +229,11 @@ def build_tokenizer(meta: dict):
 
 
 def load_gguf(path: str | Path, dtype: str | None = None):
-    """(model, tokenizer) from a GGUF file; see `build_model` for dtype."""
+    """(model, tokenizer) from a GGUF file; see `build_model` for dtype (a file read dequantized runs in
+    bfloat16 when no dtype is given)."""
     tensors, meta = read(path)
+    if dtype is None and not any(k.endswith(".scales") for k in tensors):
+        dtype = "bfloat16"
     config = model_config(meta, tensors)
     model = build_model(mlx_weights(tensors, config), config, dtype)
     return model, build_tokenizer(meta)
