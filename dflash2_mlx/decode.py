@@ -60,7 +60,7 @@ def dflash_steps(
             block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])
             drafts, draft_probs, finite = drafter.propose(block[None], context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
-            verify_logits, features = target(mx.concatenate([anchor.reshape(1), drafts]), cache)
+            verify_logits, features = target(mx.concatenate([anchor.reshape(1), drafts]), cache, record=True)
             if params.greedy:
                 accepted, bonus = accept_greedy(drafts, verify_logits)
             else:

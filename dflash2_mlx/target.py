@@ -2,7 +2,8 @@
 
 What the decode loop needs from the target, and nothing else: logits together with the drafter's
 features from the same forward (no second pass), chunked prefill, and a cache that can be rolled back
-after a partial acceptance.
+after a partial acceptance: KV caches are trimmed, sliding-window caches cut, and the recurrent states of
+hybrid models (GatedDeltaNet layers) rebuilt from what their layers recorded (`recurrent.py`).
 
 Features are captured by re-classing only the few layer *instances* the drafter reads (a per-instance
 subclass whose `__call__` records the output), for the duration of a `with target.capturing():` block.
@@ -18,12 +19,15 @@ from typing import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
+    ArraysCache,
     ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
+
+from . import recurrent
 
 _ROLLBACK_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache, ConcatenateKVCache)
 
@@ -88,6 +92,11 @@ class Target:
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         self._recorder = _Recorder()
         self._capturing = False
+        # layer index -> its GatedDeltaNet module, for hybrid targets
+        self.recurrent = {
+            i: module for i, layer in enumerate(self.layers) if (module := recurrent.recurrent_module(layer))
+        }
+        self._recurrent_records: dict[int, recurrent.Recorder] = {}
 
     @property
     def model_type(self) -> str:
@@ -96,21 +105,30 @@ class Target:
     # -- cache -------------------------------------------------------------------------------------
     def make_cache(self) -> list:
         cache = make_prompt_cache(self.model)
-        unsupported = {type(c).__name__ for c in cache if not isinstance(c, _ROLLBACK_CACHES)}
+        unsupported = {
+            type(c).__name__ for i, c in enumerate(cache)
+            if not isinstance(c, _ROLLBACK_CACHES) and not (isinstance(c, ArraysCache) and i in self.recurrent)
+        }
         if unsupported:
             raise ValueError(
                 f"target model type {self.model_type!r} keeps state that cannot be rolled back "
-                f"({', '.join(sorted(unsupported))}): speculative decoding needs a trimmable KV cache. "
-                "Hybrid recurrent targets are not supported yet; use --verify-mode off for this model"
+                f"({', '.join(sorted(unsupported))}): speculative decoding needs trimmable KV caches or "
+                "GatedDeltaNet layers; use --verify-mode off for this model"
             )
         return cache
 
-    @staticmethod
-    def rollback(cache: list, n: int) -> None:
-        """Forget the last `n` tokens fed to the target."""
+    def rollback(self, cache: list, n: int) -> None:
+        """Forget the last `n` tokens fed to the target (by the last recorded forward, for recurrent
+        layers)."""
+        for i, record in self._recurrent_records.items():
+            if n > 0:
+                record.rebuild(cache[i], record.rows - n)
+            record.recurrence = record.conv_input = None
         if n <= 0:
             return
-        for c in cache:
+        for i, c in enumerate(cache):
+            if i in self._recurrent_records:
+                continue
             if isinstance(c, RotatingKVCache) and c.offset >= c.max_size:
                 # Past its window the ring buffer refuses trim(); right after a multi-token update it
                 # holds max_size-1+L rows in temporal order, so dropping the newest n is exact.
@@ -124,12 +142,16 @@ class Target:
     # -- forward -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def capturing(self) -> Iterator["Target"]:
-        """Record the drafter's feature layers during forwards inside this block."""
-        if self._capturing or not self.layer_ids:
+        """Record the drafter's feature layers, and what recurrent layers need for a rollback, during
+        forwards inside this block."""
+        if self._capturing or not (self.layer_ids or self.recurrent):
             yield self
             return
-        originals = {}
+        originals, restore = {}, []
         try:
+            for i, module in self.recurrent.items():
+                self._recurrent_records[i] = recurrent.Recorder()
+                restore += recurrent.install(module, self._recurrent_records[i])
             for i in set(self.layer_ids):
                 layer = self.layers[i]
                 originals[i] = type(layer)
@@ -141,12 +163,23 @@ class Target:
             for i, cls in originals.items():
                 self.layers[i].__class__ = cls
                 self.layers[i].__dict__.pop("_dflash_tap", None)
+            recurrent.uninstall(restore)
+            self._recurrent_records.clear()
             self._capturing = False
             self._recorder.outputs.clear()
 
-    def __call__(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
-        """Logits [L, V] and features [L, k*D] (None without layer ids) for `tokens` [L]."""
-        logits = self.model(tokens[None], cache=cache)[0]
+    def __call__(self, tokens: mx.array, cache: list, record: bool = False) -> tuple[mx.array, mx.array | None]:
+        """Logits [L, V] and features [L, k*D] (None without layer ids) for `tokens` [L]. With `record`,
+        recurrent layers keep what `rollback` needs to undo any suffix of these tokens."""
+        if record and self.recurrent and not self._capturing:
+            raise RuntimeError("recurrent layers record only inside `with target.capturing():`")
+        for r in self._recurrent_records.values():
+            r.active = record
+        try:
+            logits = self.model(tokens[None], cache=cache)[0]
+        finally:
+            for r in self._recurrent_records.values():
+                r.active = False
         if not self.layer_ids:
             return logits, None
         if not self._capturing:

@@ -75,7 +75,7 @@ def _model_from_config(config: dict):
 
 def copy_model(model):
     """A second instance with the same weights (for oracles that must not share layer objects)."""
-    config = {k: v for k, v in vars(model.args).items()}
+    config = getattr(model, "args_config", None) or dict(vars(model.args))
     clone, _ = _model_from_config(config)
     clone.load_weights(tree_flatten(model.parameters()))
     mx.eval(clone.parameters())
@@ -85,17 +85,17 @@ def copy_model(model):
 def drafter_config(model, block_size: int = 16, layers: int = 2, sliding_window=None, **kw) -> DraftConfig:
     n = len(model.layers)
     fields = dict(
-        hidden_size=model.args.hidden_size,
+        hidden_size=Target(model).hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=128,
-        vocab_size=model.args.vocab_size,
+        vocab_size=Target(model).vocab_size,
         rms_norm_eps=1e-6,
         block_size=block_size,
         target_layer_ids=(1, n - 1),
-        mask_token_id=model.args.vocab_size - 1,
+        mask_token_id=Target(model).vocab_size - 1,
         layer_types=("sliding_attention",) * layers if sliding_window else (),
         sliding_window=sliding_window,
         num_target_layers=n,
@@ -141,7 +141,7 @@ class OracleDrafter(DFlashDraftModel):
         self.history = [int(t) for t in prompt]
         self.pending = None
         self.rng = random.Random(spoil_seed) if spoil_seed is not None else None
-        self.vocab = model.args.vocab_size
+        self.vocab = Target(model).vocab_size
         self.calls = 0
 
     def draft_rows(self, block, context, cache):
@@ -313,3 +313,32 @@ def synthetic_checkpoint(folder: Path, layout: str, shards: int = 1, prefix: str
         weight_map.update(dict.fromkeys(part, file))
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
+
+
+# -- hybrid recurrent targets (GatedDeltaNet layers) -------------------------------------------------------
+
+_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_conv_kernel_dim=4)
+HYBRID_CONFIGS = {
+    "qwen3_5": dict(model_type="qwen3_5", full_attention_interval=2, **_LINEAR),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", full_attention_interval=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                        **_LINEAR),
+    "qwen3_next": dict(model_type="qwen3_next", full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[0],
+                       moe_intermediate_size=32, rope_theta=10000.0, partial_rotary_factor=0.5,
+                       max_position_embeddings=4096, **_LINEAR),
+}
+
+
+def make_hybrid(arch: str, vocab: int = 256, seed: int = 0):
+    """A tiny hybrid target: 4 layers alternating GatedDeltaNet and full attention."""
+    config = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=vocab,
+                  tie_word_embeddings=True, **HYBRID_CONFIGS[arch])
+    mx.random.seed(seed)
+    model, _ = _model_from_config(config)
+    model.load_weights([(k, v * _weight_scale(k)) for k, v in tree_flatten(model.parameters())])
+    mx.eval(model.parameters())
+    model.args_config = config  # for copy_model
+    return model

@@ -102,19 +102,17 @@ def test_rollback_equals_fresh_prefill(arch):
 
 
 def test_unrollable_cache_is_named():
-    from mlx_lm.models import qwen3_next
+    """LFM2's short-conv layers keep state no recorder knows how to rebuild: refused by name."""
+    from mlx_lm.models import lfm2
 
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
-        num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
-        num_experts_per_tok=1, decoder_sparse_step=1, shared_expert_intermediate_size=32,
-        mlp_only_layers=[0, 1, 2, 3], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=64,
-        num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.5,
-        max_position_embeddings=256, head_dim=16,
+    args = lfm2.ModelArgs(
+        model_type="lfm2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+        block_dim=32, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+        block_ff_dim=64, layer_types=["conv", "full_attention"],
     )
-    target = Target(qwen3_next.Model(args))
-    with pytest.raises(ValueError, match="'qwen3_next' keeps state that cannot be rolled back"):
+    target = Target(lfm2.Model(args))
+    with pytest.raises(ValueError, match="'lfm2' keeps state that cannot be rolled back"):
         target.make_cache()
 
 
