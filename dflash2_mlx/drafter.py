@@ -25,6 +25,14 @@ from .selector import WALKS, CandidateSelector, walk_greedy, walk_sampled, walk_
 from .short_conv import DynamicShortConv
 
 
+class TrainingBlocks(NamedTuple):
+    """Where the blocks of a training batch sit: block n is drafted from position anchors[n] of
+    sequence sequence[n] (both [N] int arrays)."""
+
+    anchors: mx.array
+    sequence: mx.array
+
+
 class Attention(nn.Module):
     def __init__(self, config: DraftConfig, layer_idx: int):
         super().__init__()
@@ -53,41 +61,57 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
-        B, L, _ = x.shape
-        start = cache.offset  # position of the first new context row
-        block_pos = start + ctx.shape[1]  # position of the anchor
+    def __call__(
+        self, x: mx.array, ctx: mx.array, cache: KVCache | None, training: TrainingBlocks | None = None
+    ) -> mx.array:
+        """x: block rows [N, B, D]. Decoding (`cache`): ctx holds the context rows committed since the last
+        call ([1, S, D]); they join the cache and the block starts right after them. Training (`training`):
+        ctx holds whole sequences ([S, L, D]) and block n starts at training.anchors[n] of sequence
+        training.sequence[n], seeing only the context rows before it."""
+        N, L, _ = x.shape
+        if training is None:
+            start = cache.offset  # position of the first new context row
+            block_pos = start + ctx.shape[1]  # position of the anchor
+            if ctx.shape[1] > 0:
+                ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
+                ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
+                ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
+            else:
+                ctx_k, ctx_v = cache.state if cache.keys is not None else (ctx[:, None, :0], ctx[:, None, :0])
+            if self.sliding_window is not None:
+                # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
+                # window-1 context rows matter, so older ones never enter the attention.
+                keep = self.sliding_window - 1
+                ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
+            ctx_pos = block_pos - ctx_k.shape[2] + mx.arange(ctx_k.shape[2])
+        else:
+            block_pos = training.anchors
+            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)))[training.sequence]
+            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)[training.sequence]
+            ctx_pos = mx.arange(ctx.shape[1])
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=block_pos)
         k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=block_pos)
         v = self._heads(self.v_proj(x), self.n_kv_heads)
-        if ctx.shape[1] > 0:
-            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
-            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
-            ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
-        else:
-            ctx_k, ctx_v = cache.state if cache.keys is not None else (k[:, :, :0], v[:, :, :0])
-        if self.sliding_window is not None:
-            # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
-            # window-1 context rows matter, so older ones never enter the attention.
-            keep = self.sliding_window - 1
-            ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
         keys = mx.concatenate([ctx_k, k], axis=2)
         values = mx.concatenate([ctx_v, v], axis=2)
-        mask = self._mask(L, ctx_k.shape[2], block_pos)
+        mask = self._mask(L, ctx_pos, block_pos, every_context_row_visible=training is None)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
-    def _mask(self, L: int, n_ctx: int, block_pos: int) -> mx.array | None:
-        if not self.is_causal and self.sliding_window is None:
+    def _mask(self, L: int, ctx_pos: mx.array, block_pos, every_context_row_visible: bool) -> mx.array | None:
+        """Which keys ([context rows, block rows]) each block row sees: context rows before the anchor
+        (within the window for sliding layers), and the whole block (or its prefix when causal)."""
+        if every_context_row_visible and not self.is_causal and self.sliding_window is None:
             return None
+        anchor = block_pos[:, None, None, None] if isinstance(block_pos, mx.array) else block_pos
         rows = mx.arange(L)[:, None]
-        cols = mx.arange(n_ctx + L)[None]
-        in_block = cols >= n_ctx
-        visible = in_block & (cols - n_ctx <= rows) if self.is_causal else in_block
-        if self.sliding_window is None:
-            return visible | ~in_block
-        key_pos = block_pos - n_ctx + cols  # absolute positions of the context columns
-        return visible | (~in_block & (block_pos + rows - key_pos < self.sliding_window))
+        ctx_visible = ctx_pos[None, :] < anchor
+        if self.sliding_window is not None:
+            ctx_visible = ctx_visible & (anchor + rows - ctx_pos[None, :] < self.sliding_window)
+        block_visible = mx.arange(L)[None, :] <= rows if self.is_causal else mx.ones((L, L), dtype=mx.bool_)
+        shape = ctx_visible.shape[:-1]
+        return mx.concatenate([mx.broadcast_to(ctx_visible, (*shape[:-1], L, ctx_pos.size)),
+                               mx.broadcast_to(block_visible, (*shape[:-1], L, L))], axis=-1)
 
 
 class MLP(nn.Module):
@@ -122,8 +146,8 @@ class DecoderLayer(nn.Module):
         taps = conv.coefficients(xn)  # both halves from the normed input
         return conv(f(conv(xn, 0, taps)), 1, taps)
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache) -> mx.array:
-        attn = lambda h: self.self_attn(h, ctx, cache)  # noqa: E731
+    def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache | None, training=None) -> mx.array:
+        attn = lambda h: self.self_attn(h, ctx, cache, training)  # noqa: E731
         h = x + self._sublayer(attn, self.input_layernorm(x), self.attention_conv)
         return h + self._sublayer(self.mlp, self.post_attention_layernorm(h), self.mlp_conv)
 
@@ -165,19 +189,22 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def hidden(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> mx.array:
+    def hidden(
+        self, block: mx.array, context: mx.array, cache: list[KVCache] | None, training: TrainingBlocks | None = None
+    ) -> mx.array:
         """Normed final hidden rows of the block.
 
         block: [1, B] token ids (anchor, then mask ids); context: [1, S, k*D] target features of the
-        committed rows not yet seen by `cache` (appended to it here).
+        committed rows not yet seen by `cache` (appended to it here). For training, block is [N, B],
+        context the features of whole sequences [S, L, k*D], and `training` says where each block sits.
         """
         if self._target is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")
         dtype = self.norm.weight.dtype  # the drafter's compute dtype, whatever the target's
         h = (self._target.embed(block) * self._target.embed_scale).astype(dtype)
         ctx = self.hidden_norm(self.fc(context.astype(dtype)))
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, ctx, c)
+        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+            h = layer(h, ctx, c, training)
         return self.norm(h)
 
     def logits(self, hidden: mx.array) -> mx.array:

@@ -184,6 +184,10 @@ class Target:
             return logits, None
         if not self._capturing:
             raise RuntimeError("Target features are recorded only inside `with target.capturing():`")
+        return logits, self._features()[0]
+
+    def _features(self) -> mx.array:
+        """The recorded outputs of the drafter's layers, concatenated: [S, L, k*D]."""
         outputs, self._recorder.outputs = self._recorder.outputs, {}
         rows = []
         for i in self.layer_ids:
@@ -191,8 +195,15 @@ class Target:
             # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
             if i == self.num_layers - 1 and self.final_norm is not None:
                 h = self.final_norm(h)
-            rows.append(h[0])
-        return logits, mx.concatenate(rows, axis=-1)
+            rows.append(h)
+        return mx.concatenate(rows, axis=-1)
+
+    def sequence_features(self, tokens: mx.array) -> mx.array:
+        """Features [S, L, k*D] of whole sequences [S, L] (no cache; right padding cannot leak into
+        earlier rows of a causal model). For training."""
+        with self.capturing():
+            self.model(tokens)
+            return mx.stop_gradient(self._features())
 
     def prefill(
         self, prompt: mx.array, cache: list, step_size: int = 2048
