@@ -285,6 +285,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
     p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
+    p.add_argument("--compare", metavar="FILE",
+                   help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
+                   "SGLang responses (JSONL), or 'published'")
     p.set_defaults(run=_run_bench)
 
 
@@ -292,6 +295,11 @@ def _run_bench(args) -> int:
     from mlx_lm import load as mlx_lm_load
 
     from dflash2_apps.bench import bench, methods_for, render, report_json
+
+    if args.compare:  # fail on a bad comparison file before spending time on the runs
+        from dflash2_apps.compare import load_comparison
+
+        load_comparison(args.compare)
     from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
     from dflash2_mlx.prompts import SUITES, load_suite
     from dflash2_mlx.runtime import runtime_info
@@ -327,6 +335,13 @@ def _run_bench(args) -> int:
         "runtime": runtime_info(),
     }
     markdown = render(report)
+    if args.compare:
+        from rich.console import Console
+
+        from dflash2_apps.compare import load_comparison, render_comparison
+
+        report["compare"] = load_comparison(args.compare)
+        markdown += render_comparison(report["compare"], report["results"], Console())
     if args.json:
         Path(args.json).write_text(report_json(report))
     if args.markdown:

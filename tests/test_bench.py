@@ -75,3 +75,36 @@ def test_prompt_suites(tmp_path):
         load_suite(str(path))
     with pytest.raises(FileNotFoundError, match="neither one of"):
         load_suite("poetry")
+
+
+def test_compare_importers(tmp_path):
+    from dflash2_apps.compare import load_comparison
+
+    published = load_comparison("published")
+    assert any(r.get("tau") == 6.49 and r.get("speedup") == 4.86 and r.get("hardware") == "H200" for r in published)
+    zlab = tmp_path / "zlab.log"
+    zlab.write_text("--dataset gsm8k\nBaseline throughput: 40.1 tok/s\nDFlash throughput:  190.2 tok/s\n"
+                    "Decoding speedup: 4.74\nAverage Acceptance length: 6.32\nAcceptance length histogram: []\n"
+                    "--dataset math500\nDecoding speedup: 6.08\nAverage Acceptance length: 7.87\n")
+    assert load_comparison(str(zlab)) == [
+        {"engine": "z-lab/dflash benchmark", "suite": "gsm8k", "speedup": 4.74, "tau": 6.32},
+        {"engine": "z-lab/dflash benchmark", "suite": "math500", "speedup": 6.08, "tau": 7.87},
+    ]
+    sglang = tmp_path / "humaneval.jsonl"
+    sglang.write_text('{"text": "a", "meta_info": {"completion_tokens": 120, "spec_verify_ct": 20}}\n'
+                      '{"text": "b", "meta_info": {"completion_tokens": 60, "spec_verify_ct": 10}}\n')
+    assert load_comparison(str(sglang)) == [{"engine": "SGLang", "suite": "humaneval", "tau": 6.0}]
+    ours = tmp_path / "mine.json"
+    ours.write_text(json.dumps({"schema": "dflash2-compare/1", "results": [{"engine": "vLLM", "tau": 3.1}]}))
+    assert load_comparison(str(ours)) == [{"engine": "vLLM", "tau": 3.1}]
+    (tmp_path / "bad.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match="not a dflash2-compare/1 JSON"):
+        load_comparison(str(tmp_path / "bad.json"))
+
+
+def test_bench_shows_the_comparison(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
+                 "--compare", "published", "--markdown", str(tmp_path / "b.md")]) == 0
+    out = capsys.readouterr().out
+    assert "compared with CUDA runs" in out and "DFlash (paper) (H200)" in (tmp_path / "b.md").read_text()

@@ -87,6 +87,14 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     python = env_dir / "bin" / "python"
     (wheel,) = wheels.glob("dflash2_mlx-*.whl")
+    # everything the checkout has must be in the wheel (an editable install elsewhere could hide a gap)
+    import zipfile
+
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "dflash2_mlx").rglob("*") if p.is_file()
+              and "__pycache__" not in p.parts}
+    needed |= {"dflash2_apps/" + p.name for p in (ROOT / "apps").glob("*.py")}
+    assert needed <= shipped, sorted(needed - shipped)
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel],
         check=True, cwd=tmp_path,
