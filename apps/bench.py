@@ -184,14 +184,20 @@ def _sparkline(shares: list[float]) -> str:
     return "".join(" ▁▂▃▄▅▆▇█"[min(8, round(p * 8))] for p in shares)
 
 
-def render(report: dict, console=None) -> str:
-    """Rich tables and bars on the console; returns the same report as markdown to paste into an issue."""
+def report_console():
+    """A console as wide as the terminal, or wide enough for the tables when the output is a file."""
     import sys
 
     from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def render(report: dict, console=None) -> str:
+    """Rich tables and bars on the console; returns the same report as markdown to paste into an issue."""
     from rich.table import Table
 
-    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    console = console or report_console()
     ctx = report["context"]
     head = (f"{ctx['target']} | {ctx['runtime']['backend']} ({ctx['runtime']['machine']}), MLX {ctx['runtime']['mlx']}, "
             f"BLAS {ctx['runtime']['blas']}, {ctx['dtype']} | {ctx['prompts']} prompts ({ctx['suites']}) x "

@@ -294,7 +294,7 @@ def _bench_parser(sub) -> None:
 def _run_bench(args) -> int:
     from mlx_lm import load as mlx_lm_load
 
-    from dflash2_apps.bench import bench, methods_for, render, report_json
+    from dflash2_apps.bench import bench, methods_for, render, report_console, report_json
 
     if args.compare:  # fail on a bad comparison file before spending time on the runs
         from dflash2_apps.compare import load_comparison
@@ -334,14 +334,13 @@ def _run_bench(args) -> int:
         "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
         "runtime": runtime_info(),
     }
-    markdown = render(report)
+    console = report_console()
+    markdown = render(report, console)
     if args.compare:
-        from rich.console import Console
-
         from dflash2_apps.compare import load_comparison, render_comparison
 
         report["compare"] = load_comparison(args.compare)
-        markdown += render_comparison(report["compare"], report["results"], Console())
+        markdown += render_comparison(report["compare"], report["results"], console)
     if args.json:
         Path(args.json).write_text(report_json(report))
     if args.markdown:
