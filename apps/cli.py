@@ -292,6 +292,7 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args) -> int:
+    from mlx.utils import tree_flatten
     from mlx_lm import load as mlx_lm_load
 
     from dflash2_apps.bench import bench, methods_for, render, report_console, report_json
@@ -326,7 +327,7 @@ def _run_bench(args) -> int:
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     methods = methods_for(drafters, sizes, classic is not None)
     report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
-    weights = [v for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())]
+    weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
         "target": args.model or "SmolLM2-135M-Instruct (default)",
         "drafters": [label for label, _ in drafters],

@@ -9,7 +9,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import LAYOUTS, make_drafter, make_target, synthetic_checkpoint
+from conftest import LAYOUTS, make_target, synthetic_checkpoint
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.checkpoints.hf import convert, export

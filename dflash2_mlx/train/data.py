@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+import mlx.core as mx
 import numpy as np
 
 HELDOUT_EVERY = 50
@@ -100,6 +101,7 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     `settings.target`."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,15 +138,11 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     pending = list(todo())
     total_new = len(pending)
     tic, generated = time.perf_counter(), 0
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
     with Progress(TextColumn("[bold]data"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
                   TextColumn("{task.fields[tps]:.0f} tok/s"), TimeRemainingColumn(), disable=not progress) as bar:
         task = bar.add_task("data", total=total_new, tps=0.0)
         for start in range(0, len(pending), settings.batch_size):
             batch = pending[start : start + settings.batch_size]
-            import mlx.core as mx
-
             mx.random.seed(settings.seed + shard_index)
             result = batch_generate(model, tokenizer, [ids for _, ids, _ in batch],
                                     max_tokens=settings.max_new_tokens, return_token_ids=True, sampler=sampler)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -218,8 +219,6 @@ class Trainer:
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "settings": asdict(self.settings),
                                                     "log": self.log}, indent=2))
         if self.checkpoint.exists():
-            import shutil
-
             shutil.rmtree(self.checkpoint)
         tmp.rename(self.checkpoint)
 
@@ -259,7 +258,6 @@ class Trainer:
         are exactly what verification would accept. tau = mean(accepted + 1)."""
         if not self.heldout:
             return float("nan")
-        B = self.settings.block_size
         accepted = []
         for start in range(0, len(self.heldout), 4):
             chunk = self.heldout[start : start + 4]
