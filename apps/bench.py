@@ -154,14 +154,13 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                     if trial:
                         runs[m.name].append(out)
                     bar.advance(task, len(prompts))
-            baseline = summarize(methods[0], runs[methods[0].name], None)["generation_tps_median"]
+            baseline = summarize(methods[0], runs[methods[0].name], None)
             for m in methods:
-                row = summarize(m, runs[m.name], baseline)
+                row = summarize(m, runs[m.name], baseline["generation_tps_median"])
                 row["temperature"] = temp
                 row["draft_share"] = draft_verify_share(m, model, tokenizer, prompts[0])
                 if temp == 0:
-                    row["lossless"] = row["token_sha256"] == summarize(methods[0], runs[methods[0].name], None)[
-                        "token_sha256"]
+                    row["lossless"] = row["token_sha256"] == baseline["token_sha256"]
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)

@@ -233,13 +233,20 @@ class DFlashDraftModel(nn.Module):
         if walk != "greedy" and not self.config.is_dflash2:
             raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
         hidden, logits = self.draft_rows(block, context, cache)
+        return self.choose(hidden, logits, block[0, 0], params, walk)
+
+    def choose(
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"
+    ) -> Proposal:
+        """The drafts of one block from its rows' hidden [B-1, D] and logits [B-1, V]: argmax or samples
+        (v1), or a walk over the path selector's lattice (DFlash 2)."""
         finite = mx.all(mx.isfinite(logits))
         if not self.config.is_dflash2:
             if params.greedy:
                 return Proposal(mx.argmax(logits, axis=-1), None, finite)
             q = probabilities(logits, params)
             return Proposal(mx.random.categorical(mx.log(q)), q, finite)
-        lattice = self.candidate_selector.lattice(hidden, logits, block[0, 0], self._target.embed)
+        lattice = self.candidate_selector.lattice(hidden, logits, anchor, self._target.embed)
         if params.greedy:
             idx, q = (walk_viterbi if walk == "viterbi" else walk_greedy)(lattice), None
         else:

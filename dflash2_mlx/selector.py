@@ -46,12 +46,17 @@ class CandidateSelector(nn.Module):
             self.predecessor_codebook = nn.Embedding(vocab_size, rank)
             self.successor_codebook = nn.Embedding(vocab_size, rank)
 
-    def codes(self, ids: mx.array, embed) -> tuple[mx.array, mx.array]:
-        """(predecessor, successor) codes of `ids`; `embed` is the target's embedding (factorised only)."""
+    def predecessor_codes(self, ids: mx.array, embed=None) -> mx.array:
+        """A[ids]; `embed` is the target's embedding (factorised selectors only)."""
         if self.factorized:
-            e = embed(ids)
-            return self.predecessor_projection(e), self.successor_projection(e)
-        return self.predecessor_codebook(ids), self.successor_codebook(ids)
+            return self.predecessor_projection(embed(ids))
+        return self.predecessor_codebook(ids)
+
+    def successor_codes(self, ids: mx.array, embed=None) -> mx.array:
+        """B[ids]; `embed` as for `predecessor_codes`."""
+        if self.factorized:
+            return self.successor_projection(embed(ids))
+        return self.successor_codebook(ids)
 
     def lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> Lattice:
         """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id."""
@@ -62,10 +67,10 @@ class CandidateSelector(nn.Module):
         candidates = mx.take_along_axis(top, order, axis=-1)
         unary = mx.take_along_axis(unary, order, axis=-1).astype(mx.float32)
         h = self.hidden_projection(hidden).astype(mx.float32)  # [T, R]
-        pred, succ = self.codes(mx.concatenate([anchor.reshape(1), candidates.reshape(-1)]), embed)
-        pred, succ = pred.astype(mx.float32), succ[1:].astype(mx.float32).reshape(*candidates.shape, -1)
-        anchor_code, cand_pred = pred[0], pred[1:].reshape(*candidates.shape, -1)  # [R], [T, k, R]
-        pred_rows = mx.concatenate([mx.broadcast_to(anchor_code, (1, k, anchor_code.size)), cand_pred[:-1]])
+        # predecessors of row t: the anchor for t = 0 (whatever a), else the candidates of row t-1
+        pred_ids = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)), candidates[:-1]])
+        pred_rows = self.predecessor_codes(pred_ids, embed).astype(mx.float32)  # [T, k, R]
+        succ = self.successor_codes(candidates, embed).astype(mx.float32)  # [T, k, R]
         scores = unary[:, None, :] + (pred_rows * h[:, None, :]) @ succ.swapaxes(-1, -2)
         return Lattice(candidates, scores)
 

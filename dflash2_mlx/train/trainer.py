@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..config import DraftConfig, default_target_layer_ids
 from ..drafter import DFlashDraftModel, TrainingBlocks
-from ..selector import walk_greedy
+from ..sampling import SamplingParams
 from ..target import Target
 from .data import Sample, read_shards
 
@@ -93,6 +93,7 @@ def drafter_config(target: Target, settings: TrainSettings) -> DraftConfig:
     )
 
 
+GREEDY = SamplingParams()
 EVAL_STEP = 2**31 - 1  # the anchors of the held-out evaluation: the same at every evaluation
 
 
@@ -151,8 +152,8 @@ def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, 
     cand = mx.where(has_gold, cand, mx.concatenate([cand[..., :-1], gold[..., None]], axis=-1))  # inject gold
     unary = mx.take_along_axis(logits, cand, axis=-1)
     h = sel.hidden_projection(hidden).astype(mx.float32)
-    pred, _ = sel.codes(prev_gold, drafter._target.embed)
-    _, succ = sel.codes(cand, drafter._target.embed)
+    pred = sel.predecessor_codes(prev_gold, drafter._target.embed)
+    succ = sel.successor_codes(cand, drafter._target.embed)
     scores = unary + mx.sum((pred.astype(mx.float32) * h)[..., None, :] * succ.astype(mx.float32), axis=-1)
     target_index = mx.argmax(cand == gold[..., None], axis=-1)
     sel_ce = nn.losses.cross_entropy(scores, target_index, reduction="none")
@@ -265,15 +266,10 @@ class Trainer:
             context = self.target.sequence_features(batch.tokens)
             hidden = self.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
             logits = self.drafter.logits(hidden)
-            if self.drafter.config.is_dflash2:
-                drafts = []
-                for n in range(logits.shape[0]):
-                    lat = self.drafter.candidate_selector.lattice(hidden[n], logits[n], batch.blocks[n, 0],
-                                                                  self.drafter._target.embed)
-                    drafts.append(mx.take_along_axis(lat.candidates, walk_greedy(lat)[:, None], axis=-1)[:, 0])
-                drafts = mx.stack(drafts)
-            else:
-                drafts = mx.argmax(logits, axis=-1)
+            drafts = mx.stack([
+                self.drafter.choose(hidden[n], logits[n], batch.blocks[n, 0], GREEDY).tokens
+                for n in range(logits.shape[0])
+            ])
             match = np.array((drafts == batch.labels) & (batch.labels >= 0))
             accepted += list(np.cumprod(match, axis=1).sum(axis=1))
         return float(np.mean(accepted) + 1) if accepted else float("nan")
