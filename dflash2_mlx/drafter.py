@@ -26,11 +26,10 @@ from .short_conv import DynamicShortConv
 
 
 class TrainingBlocks(NamedTuple):
-    """Where the blocks of a training batch sit: block n is drafted from position anchors[n] of
-    sequence sequence[n] (both [N] int arrays)."""
+    """Where the blocks of a training batch sit: anchors [S, A] int, block s*A + a is drafted from position
+    anchors[s, a] of sequence s."""
 
     anchors: mx.array
-    sequence: mx.array
 
 
 class Attention(nn.Module):
@@ -39,7 +38,7 @@ class Attention(nn.Module):
         dim, head_dim = config.hidden_size, config.head_dim
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
-        self.scale = head_dim**-0.5
+        self.head_dim, self.scale = head_dim, head_dim**-0.5
         self.is_causal = config.layer_is_causal(layer_idx)
         sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if sliding else None
@@ -66,52 +65,73 @@ class Attention(nn.Module):
     ) -> mx.array:
         """x: block rows [N, B, D]. Decoding (`cache`): ctx holds the context rows committed since the last
         call ([1, S, D]); they join the cache and the block starts right after them. Training (`training`):
-        ctx holds whole sequences ([S, L, D]) and block n starts at training.anchors[n] of sequence
-        training.sequence[n], seeing only the context rows before it."""
+        ctx holds whole sequences ([S, L, D]) and the blocks sit as `training` says."""
         N, L, _ = x.shape
-        if training is None:
-            start = cache.offset  # position of the first new context row
-            block_pos = start + ctx.shape[1]  # position of the anchor
-            if ctx.shape[1] > 0:
-                ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
-                ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
-                ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
-            else:
-                ctx_k, ctx_v = cache.state if cache.keys is not None else (ctx[:, None, :0], ctx[:, None, :0])
-            if self.sliding_window is not None:
-                # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
-                # window-1 context rows matter, so older ones never enter the attention.
-                keep = self.sliding_window - 1
-                ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
-            ctx_pos = block_pos - ctx_k.shape[2] + mx.arange(ctx_k.shape[2])
+        if training is not None:
+            return self._training_blocks(x, ctx, training.anchors)
+        start = cache.offset  # position of the first new context row
+        block_pos = start + ctx.shape[1]  # position of the anchor
+        if ctx.shape[1] > 0:
+            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
+            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
+            ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
         else:
-            block_pos = training.anchors
-            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)))[training.sequence]
-            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)[training.sequence]
-            ctx_pos = mx.arange(ctx.shape[1])
-        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=block_pos)
-        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=block_pos)
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
+            empty = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), x.dtype)
+            ctx_k, ctx_v = cache.state if cache.keys is not None else (empty, empty)
+        if self.sliding_window is not None:
+            # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
+            # window-1 context rows matter, so older ones never enter the attention.
+            keep = self.sliding_window - 1
+            ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
+        q, k, v = self._block_qkv(x, block_pos)
         keys = mx.concatenate([ctx_k, k], axis=2)
         values = mx.concatenate([ctx_v, v], axis=2)
-        mask = self._mask(L, ctx_pos, block_pos, every_context_row_visible=training is None)
+        ctx_pos = block_pos - ctx_k.shape[2] + mx.arange(ctx_k.shape[2])
+        mask = None
+        if self.is_causal or self.sliding_window is not None:
+            rows = mx.arange(L)[:, None]
+            ctx_visible = mx.broadcast_to(self._context_visible(ctx_pos, block_pos, rows), (L, ctx_pos.size))
+            mask = mx.concatenate([ctx_visible, self._block_visible(L, rows)], axis=-1)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
-    def _mask(self, L: int, ctx_pos: mx.array, block_pos, every_context_row_visible: bool) -> mx.array | None:
-        """Which keys ([context rows, block rows]) each block row sees: context rows before the anchor
-        (within the window for sliding layers), and the whole block (or its prefix when causal)."""
-        if every_context_row_visible and not self.is_causal and self.sliding_window is None:
-            return None
-        anchor = block_pos[:, None, None, None] if isinstance(block_pos, mx.array) else block_pos
-        rows = mx.arange(L)[:, None]
-        ctx_visible = ctx_pos[None, :] < anchor
+    def _block_qkv(self, x: mx.array, block_pos) -> tuple[mx.array, mx.array, mx.array]:
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=block_pos)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=block_pos)
+        return q, k, self._heads(self.v_proj(x), self.n_kv_heads)
+
+    def _context_visible(self, ctx_pos: mx.array, anchor, rows: mx.array) -> mx.array:
+        """Context rows before the anchor (within the window for sliding layers)."""
+        visible = ctx_pos < anchor
         if self.sliding_window is not None:
-            ctx_visible = ctx_visible & (anchor + rows - ctx_pos[None, :] < self.sliding_window)
-        block_visible = mx.arange(L)[None, :] <= rows if self.is_causal else mx.ones((L, L), dtype=mx.bool_)
-        shape = ctx_visible.shape[:-1]
-        return mx.concatenate([mx.broadcast_to(ctx_visible, (*shape[:-1], L, ctx_pos.size)),
-                               mx.broadcast_to(block_visible, (*shape[:-1], L, L))], axis=-1)
+            visible = visible & (anchor + rows - ctx_pos < self.sliding_window)
+        return visible
+
+    def _block_visible(self, L: int, rows: mx.array) -> mx.array:
+        """The whole block, or its prefix when causal."""
+        return mx.arange(L)[None, :] <= rows if self.is_causal else mx.ones((L, L), dtype=mx.bool_)
+
+    def _training_blocks(self, x: mx.array, ctx: mx.array, anchors: mx.array) -> mx.array:
+        """All A blocks of a sequence in one attention over [its context rows, its blocks], each block
+        row seeing the context before its anchor and its own block only: the context K/V are computed
+        once per sequence and never copied per block."""
+        S, A = anchors.shape
+        N, L, _ = x.shape
+        q, k, v = self._block_qkv(x, anchors.reshape(N))  # [N, heads, L, hd]
+        per_seq = lambda t: t.reshape(S, A, t.shape[1], L, -1).transpose(0, 2, 1, 3, 4).reshape(S, t.shape[1], A * L, -1)  # noqa: E731
+        ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)))
+        ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        keys = mx.concatenate([ctx_k, per_seq(k)], axis=2)
+        values = mx.concatenate([ctx_v, per_seq(v)], axis=2)
+        rows = mx.tile(mx.arange(L), A)[:, None]  # row within its block, for each of the A*L query rows
+        anchor = mx.repeat(anchors, L, axis=1)[:, None, :, None]  # [S, 1, A*L, 1]
+        ctx_visible = self._context_visible(mx.arange(ctx.shape[1]), anchor, rows)
+        block_of = mx.arange(A * L) // L
+        same_block = (block_of[:, None] == block_of[None, :]) & mx.tile(self._block_visible(L, mx.arange(L)[:, None]), (A, A))
+        mask = mx.concatenate([ctx_visible, mx.broadcast_to(same_block, (S, 1, A * L, A * L))], axis=-1)
+        out = mx.fast.scaled_dot_product_attention(per_seq(q), keys, values, scale=self.scale, mask=mask)
+        out = out.reshape(S, -1, A, L, out.shape[-1]).transpose(0, 2, 3, 1, 4)  # [S, A, L, heads, hd]
+        return self.o_proj(out.reshape(N, L, -1))
 
 
 class MLP(nn.Module):
@@ -207,8 +227,11 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, ctx, c, training)
         return self.norm(h)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        logits = self._target.lm_head(hidden) * self.config.output_multiplier
+    def logits(self, hidden: mx.array, head_rows: mx.array | None = None) -> mx.array:
+        """Draft logits over the whole vocabulary, or over the tokens whose LM-head rows are `head_rows`
+        [n, D] (training's reduced vocabulary)."""
+        head = self._target.lm_head(hidden) if head_rows is None else hidden @ head_rows.T
+        logits = head * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap

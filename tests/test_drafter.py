@@ -8,11 +8,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import drafter_config, make_drafter, make_target, save_drafter
+from conftest import drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, DraftConfig, load_drafter
 from dflash2_mlx.config import default_target_layer_ids
+from dflash2_mlx.drafter import TrainingBlocks
 from dflash2_mlx.loading import bind_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -74,6 +75,23 @@ def test_sliding_window_context(target):
     assert not changed(P - W).any()  # outside every row's window
     assert changed(P - W + 1).tolist() == [True] + [False] * (B - 1)  # only row 0 still sees it
     assert changed(P - 1).all()
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "causal", "sliding", "dflash2"])
+def test_training_blocks_equal_decoding(target, kind):
+    """Training drafts all blocks of a sequence in one attention; each block must get exactly what
+    decoding gives it: the context rows before its anchor, its own rows, nothing of the other blocks."""
+    kw = {"causal": {"is_causal": True}, "sliding": {"sliding_window": 5}}.get(kind, {})
+    make = make_dflash2_drafter if kind == "dflash2" else make_drafter
+    drafter = make(target, block_size=4, **kw)
+    S, L, B = 2, 12, 4
+    ctx = mx.random.normal((S, L, 2 * 64), key=mx.random.key(3))
+    anchors = mx.array([[2, 9, 5], [11, 0, 7]])
+    blocks = mx.array([[10 + n] + [255] * (B - 1) for n in range(6)])
+    got = np.array(drafter.hidden(blocks, ctx, None, TrainingBlocks(anchors)))
+    for n, (s, a) in enumerate([(s, a) for s in range(S) for a in anchors[s].tolist()]):
+        expected = drafter.hidden(blocks[n : n + 1], ctx[s : s + 1, :a], drafter.make_cache())
+        np.testing.assert_allclose(got[n], np.array(expected[0]), atol=1e-4, rtol=1e-4)
 
 
 def test_logit_transform(target):

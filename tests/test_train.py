@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import make_target
@@ -19,7 +20,8 @@ from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
-from dflash2_mlx.train.trainer import Trainer, TrainSettings
+from dflash2_mlx.train.features import FeatureCache
+from dflash2_mlx.train.trainer import Trainer, TrainSettings, lm_head_rows, training_vocabulary
 
 # -- data ---------------------------------------------------------------------------------------------------
 
@@ -140,6 +142,63 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     spec = generate(model, tokenizer, prompt, drafter, max_tokens=20, eos_token_ids=[])
     assert spec.tokens == plain.tokens
+
+
+def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monkeypatch):
+    model, folder = train_data
+    samples = read_shards(folder, heldout=False)[:7]
+    target = Target(model, (0, 2, 3))
+    cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=40)
+    picked = [4, 0, 6]
+    length = max(len(samples[i].tokens) for i in picked) + 3
+    tokens = np.zeros((3, length), np.int32)
+    for row, i in enumerate(picked):
+        tokens[row, : len(samples[i].tokens)] = samples[i].tokens
+    exact = np.array(target.sequence_features(mx.array(tokens)))
+    got = np.array(cache.context(picked, length).astype(mx.float32))
+    for row, i in enumerate(picked):
+        n = len(samples[i].tokens)
+        np.testing.assert_allclose(got[row, :n], exact[row, :n], rtol=2e-3, atol=2e-3)  # float16 storage
+        assert not got[row, n:].any()  # padding rows are zeros
+    # an interrupted fill resumes: the samples already done are not computed again
+    calls = []
+    real = Target.sequence_features
+
+    def interrupted(self, tokens):
+        calls.append(tokens.shape[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, tokens)
+
+    monkeypatch.setattr(Target, "sequence_features", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
+    monkeypatch.setattr(Target, "sequence_features", real)
+    counted = []
+    monkeypatch.setattr(Target, "sequence_features", lambda self, t: counted.append(t.shape[0]) or real(self, t))
+    resumed = FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
+    assert sum(counted) == len(samples) - calls[0]
+    assert np.array_equal(np.asarray(resumed.rows), np.asarray(cache.rows))
+
+
+def test_reduced_vocabulary_loss(train_data):
+    """The training vocabulary holds every token of the training samples; the LM-head rows it uses are
+    the target's own (tied: embedding rows; untied and quantized heads too)."""
+    model, folder = train_data
+    samples = read_shards(folder, heldout=False)
+    vocab = training_vocabulary(samples)
+    assert set(vocab.tolist()) == set(np.concatenate([s.tokens for s in samples]).tolist())
+    ids = mx.array(vocab)
+    x = mx.random.normal((3, 64), key=mx.random.key(0))
+    for m in (model, make_target("qwen3", seed=4, tied=False)):
+        t = Target(m)
+        np.testing.assert_allclose(np.array(x @ lm_head_rows(t, ids).T), np.array(t.lm_head(x)[:, ids]),
+                                   rtol=1e-5, atol=1e-5)
+    quantized = make_target("qwen3", seed=4, tied=False)
+    nn.quantize(quantized, group_size=32, bits=8)
+    t = Target(quantized)
+    np.testing.assert_allclose(np.array(x @ lm_head_rows(t, ids).T), np.array(t.lm_head(x)[:, ids]),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_dflash2_starts_as_identity_convs(tmp_path, train_data):

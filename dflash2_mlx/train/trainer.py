@@ -30,6 +30,7 @@ from ..drafter import DFlashDraftModel, TrainingBlocks
 from ..sampling import SamplingParams
 from ..target import Target
 from .data import Sample, read_shards
+from .features import FeatureCache
 
 
 @dataclass
@@ -54,6 +55,8 @@ class TrainSettings:
     eval_every: int = 100
     checkpoint_every: int = 50
     eval_samples: int = 40
+    cache_features: bool = True  # the target's features computed once, kept in the data folder
+    reduced_vocabulary: bool = True  # the loss's softmax over the tokens of the training data only
     extra: dict = field(default_factory=dict)
 
     def loss_gamma(self) -> float:
@@ -103,6 +106,7 @@ class Batch:
     blocks: mx.array  # [N, B] anchor + masks
     labels: mx.array  # [N, B-1] the tokens the drafts should be; -1 past a sequence's end
     where: TrainingBlocks
+    picked: list[int]  # the samples, one per sequence row
 
 
 def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_id: int,
@@ -113,7 +117,7 @@ def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_i
     length = max(len(samples[i].tokens) for i in picked)
     length = int(math.ceil(length / 64) * 64)  # few distinct shapes, few recompilations
     tokens = np.zeros((len(picked), length), np.int32)
-    anchors, seq, labels = [], [], []
+    anchors, labels = [], []
     B = settings.block_size
     for row, i in enumerate(picked):
         s = samples[i]
@@ -125,19 +129,37 @@ def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_i
         for anchor in a:
             nxt = s.tokens[anchor + 1 : anchor + B]
             labels.append(np.concatenate([nxt, -np.ones(B - 1 - len(nxt), np.int32)]))
-        anchors += list(a)
-        seq += [row] * len(a)
-    anchors = np.array(anchors)
-    blocks = np.full((len(anchors), B), mask_id, np.int32)
-    blocks[:, 0] = tokens[np.array(seq), anchors]
+        anchors.append(a)
+    anchors = np.stack(anchors)  # [S, A]
+    blocks = np.full((anchors.size, B), mask_id, np.int32)
+    blocks[:, 0] = np.take_along_axis(tokens, anchors, axis=1).reshape(-1)
     return Batch(mx.array(tokens), mx.array(blocks), mx.array(np.stack(labels)),
-                 TrainingBlocks(mx.array(anchors), mx.array(seq)))
+                 TrainingBlocks(mx.array(anchors)), [int(i) for i in picked])
 
 
-def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold):
-    """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2)."""
+def training_vocabulary(samples: list[Sample]) -> np.ndarray:
+    """Every token id the training samples contain (prompts and responses), sorted."""
+    return np.unique(np.concatenate([s.tokens for s in samples])).astype(np.int32)
+
+
+def lm_head_rows(target: Target, ids: mx.array) -> mx.array:
+    """The target's LM-head rows [n, D] of tokens `ids`, dequantized (tied heads: embedding rows)."""
+    head = getattr(target.model, "lm_head", None)
+    if head is None:
+        return target.embed_tokens(ids)
+    if isinstance(head, nn.QuantizedLinear):
+        return mx.dequantize(head.weight[ids], head.scales[ids], head.get("biases")[ids] if "biases" in head else None,
+                             head.group_size, head.bits, mode=head.mode)
+    return head.weight[ids]
+
+
+def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows):
+    """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
+    vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
+    data set uses costs a fraction of one over the full vocabulary, and a token the data never shows
+    gets no positive signal either way. `labels` are indices into `vocab`."""
     hidden = drafter.hidden(blocks, context, None, where)[:, 1:]
-    logits = drafter.logits(hidden).astype(mx.float32)  # [N, B-1, V]
+    logits = drafter.logits(hidden, head_rows).astype(mx.float32)  # [N, B-1, n]
     valid = labels >= 0
     gold = mx.maximum(labels, 0)
     w = weights[None, :] * valid
@@ -153,7 +175,7 @@ def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, 
     unary = mx.take_along_axis(logits, cand, axis=-1)
     h = sel.hidden_projection(hidden).astype(mx.float32)
     pred = sel.predecessor_codes(prev_gold, drafter._target.embed)
-    succ = sel.successor_codes(cand, drafter._target.embed)
+    succ = sel.successor_codes(vocab[cand], drafter._target.embed)
     scores = unary + mx.sum((pred.astype(mx.float32) * h)[..., None, :] * succ.astype(mx.float32), axis=-1)
     target_index = mx.argmax(cand == gold[..., None], axis=-1)
     sel_ce = nn.losses.cross_entropy(scores, target_index, reduction="none")
@@ -183,6 +205,11 @@ class Trainer:
 
         bind_drafter(self.drafter, model)
         B = settings.block_size
+        ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
+        index = np.full(config.vocab_size, -1, np.int32)
+        index[ids] = np.arange(len(ids))
+        self.vocab, self.vocab_index = mx.array(ids, mx.int32), mx.array(index)
+        self.head_rows = mx.stop_gradient(lm_head_rows(self.target, self.vocab).astype(mx.float32))
         self.weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / settings.loss_gamma())
         warm = max(1, int(settings.warmup * settings.steps))
         schedule = optim.join_schedules(
@@ -198,14 +225,24 @@ class Trainer:
         value_and_grad = nn.value_and_grad(self.drafter, loss_fn)
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def train_step(blocks, context, anchors, sequence, labels, prev_gold):
-            loss, grads = value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors, sequence), labels,
-                                         self.weights, prev_gold)
+        def train_step(blocks, context, anchors, labels, prev_gold):
+            loss, grads = value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors), labels,
+                                         self.weights, prev_gold, self.vocab, self.head_rows)
             grads, norm = optim.clip_grad_norm(grads, settings.grad_clip)
             self.optimizer.update(self.drafter, grads)
             return loss, norm
 
         self._train_step = train_step
+        self.caches = {}
+        if settings.cache_features:
+            self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target),
+                           "heldout": FeatureCache(settings.data, self.heldout, self.target)}
+
+    def context(self, batch: Batch, split: str) -> mx.array:
+        """The target's features of the batch's sequences (from the cache when there is one)."""
+        if split in self.caches:
+            return self.caches[split].context(batch.picked, batch.tokens.shape[1])
+        return self.target.sequence_features(batch.tokens)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     @property
@@ -246,9 +283,9 @@ class Trainer:
     # -- training ------------------------------------------------------------------------------------------
     def train_step(self) -> float:
         batch = make_batch(self.train_samples, self.step, self.settings, self.drafter.config.mask_token_id)
-        context = self.target.sequence_features(batch.tokens)
-        loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, batch.where.sequence,
-                                   batch.labels, _prev_gold(batch))
+        context = self.context(batch, "train")
+        labels = mx.where(batch.labels >= 0, self.vocab_index[mx.maximum(batch.labels, 0)], -1)
+        loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, _prev_gold(batch))
         mx.eval(loss, self.drafter.state, self.optimizer.state)
         self.step += 1
         return loss.item()
@@ -263,7 +300,8 @@ class Trainer:
         for start in range(0, len(self.heldout), 4):
             chunk = self.heldout[start : start + 4]
             batch = make_batch(chunk, EVAL_STEP, self.settings, self.drafter.config.mask_token_id, sequences=len(chunk))
-            context = self.target.sequence_features(batch.tokens)
+            batch.picked = [start + i for i in batch.picked]  # indices into the held-out list
+            context = self.context(batch, "heldout")
             hidden = self.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
             logits = self.drafter.logits(hidden)
             drafts = mx.stack([
