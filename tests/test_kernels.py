@@ -242,6 +242,15 @@ def test_conv_gradients_go_through_the_pure_op(monkeypatch):
         np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_bench_runs(capsys, restore_backend):
+    from dflash2_apps.kernel_bench import main
+
+    assert main(["--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "D=5120 L=16" in out and "T=15 k=16 R=256" in out and "B=16 V=151936" in out
+    assert mx.metal.is_available() or "Metal is not available here" in out
+
+
 # -- on a Mac: the real kernels ---------------------------------------------------------------------------------
 
 
