@@ -42,10 +42,11 @@ if (simd != 0) {
   return;
 }
 
+// Lane b stands for candidate b; lanes past k repeat the last candidate and never win an argmax.
 const bool real = int(lane) < k;
+const int b = real ? int(lane) : k - 1;
 if (VITERBI) {
-  // Lane b: the best total of a path ending in candidate b, and where it came from in each row.
-  const int b = real ? int(lane) : k - 1;
+  // this lane's best total of a path ending in candidate b, and where it came from in each row
   float best = lattice[b];  // row 0: from the anchor
   uint from[MAX_ROWS];
   for (int t = 1; t < T; ++t) {
@@ -72,7 +73,7 @@ if (VITERBI) {
 } else {
   uint at = 0;  // row 0's predecessor: the anchor
   for (int t = 0; t < T; ++t) {
-    at = simd_argmax(real ? lattice[(t * k + int(at)) * k + int(lane)] : -INFINITY, real ? lane : 0xFFFFFFFFu).index;
+    at = simd_argmax(real ? lattice[(t * k + int(at)) * k + b] : -INFINITY, real ? lane : 0xFFFFFFFFu).index;
     if (lane == 0) {
       path[t] = at;
     }
