@@ -199,8 +199,8 @@ def render(report: dict, console=None) -> str:
     console = console or report_console()
     ctx = report["context"]
     head = (f"{ctx['target']} | {ctx['runtime']['backend']} ({ctx['runtime']['machine']}), MLX {ctx['runtime']['mlx']}, "
-            f"BLAS {ctx['runtime']['blas']}, {ctx['dtype']} | {ctx['prompts']} prompts ({ctx['suites']}) x "
-            f"{ctx['trials']} trials, {ctx['max_tokens']} max tokens")
+            f"BLAS {ctx['runtime']['blas']}, kernels {ctx['runtime']['kernels']}, {ctx['dtype']} | "
+            f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
     console.print(f"[bold]dflash2 bench[/] {head}")
     columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "prompt tok/s", "TTFT s", "peak GB",
                "draft %", "lossless", "accepted by position"]

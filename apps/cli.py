@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal exists) or pure MLX; same results"
+
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser(
@@ -55,6 +57,7 @@ def _generate_parser(sub) -> None:
         help="cast the target's weights (GGUF default: float32 on CPU, quantized tensors kept on Metal)",
     )
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(run=_run_generate)
@@ -81,8 +84,10 @@ def _apply_omlx_settings(args) -> None:
 
 def _run_generate(args) -> int:
     from dflash2_mlx import generate, load
+    from dflash2_mlx.kernels import set_kernels
     from dflash2_mlx.runtime import runtime_info
 
+    set_kernels(args.kernels)
     _apply_omlx_settings(args)
     args.verify_mode = args.verify_mode or "dflash"
     if args.verify_mode == "dflash" and not args.draft_model:
@@ -285,6 +290,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
     p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
+    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
     p.add_argument("--compare", metavar="FILE",
                    help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
                    "SGLang responses (JSONL), or 'published'")
@@ -302,9 +308,11 @@ def _run_bench(args) -> int:
 
         load_comparison(args.compare)
     from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+    from dflash2_mlx.kernels import set_kernels
     from dflash2_mlx.prompts import SUITES, load_suite
     from dflash2_mlx.runtime import runtime_info
 
+    set_kernels(args.kernels)
     if args.quick:
         args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
     model, tokenizer = load_target(args.model, args.dtype)

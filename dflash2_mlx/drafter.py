@@ -21,7 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
 from .sampling import SamplingParams, probabilities
-from .selector import WALKS, CandidateSelector, walk_greedy, walk_sampled, walk_viterbi
+from .selector import WALKS, CandidateSelector, lattice_of, scored_path, walk_sampled
 from .short_conv import DynamicShortConv
 
 
@@ -269,9 +269,9 @@ class DFlashDraftModel(nn.Module):
                 return Proposal(mx.argmax(logits, axis=-1), None, finite)
             q = probabilities(logits, params)
             return Proposal(mx.random.categorical(mx.log(q)), q, finite)
-        lattice = self.candidate_selector.lattice(hidden, logits, anchor, self._target.embed)
+        inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed)
         if params.greedy:
-            idx, q = (walk_viterbi if walk == "viterbi" else walk_greedy)(lattice), None
+            idx, q = scored_path(inputs, walk)[1], None
         else:
-            idx, q = walk_sampled(lattice, params, self._target.vocab_size)
-        return Proposal(mx.take_along_axis(lattice.candidates, idx[:, None], axis=-1)[:, 0], q, finite)
+            idx, q = walk_sampled(lattice_of(inputs), params, self._target.vocab_size)
+        return Proposal(mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0], q, finite)

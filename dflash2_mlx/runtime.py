@@ -7,6 +7,8 @@ import sys
 
 import mlx.core as mx
 
+from .kernels import kernels_backend
+
 
 def blas() -> str:
     """The BLAS serving MLX's CPU matmuls (on Linux: preloaded OpenBLAS or the wheel's own)."""
@@ -24,6 +26,7 @@ def runtime_info() -> dict:
         "mlx": mx.__version__,
         "backend": "metal" if mx.metal.is_available() else "cpu",
         "blas": blas(),
+        "kernels": kernels_backend(),
         "machine": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
     }

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -58,7 +60,10 @@ def sample(logits: mx.array, params: SamplingParams) -> mx.array:
 
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """T = 0: accept the longest prefix of `drafts` [B-1] equal to the target's argmax; the bonus
-    token is the target's argmax right after it. Returns (accepted count, bonus), both scalars."""
+    token is the target's argmax right after it. Returns (accepted count, bonus), both scalars.
+    With kernels on: one Metal dispatch that reads the rows only up to the first rejection."""
+    if kernels.metal_enabled():
+        return kernels.accept_greedy(drafts, target_logits)
     choice = mx.argmax(target_logits, axis=-1)
     accepted = mx.sum(mx.cumprod((drafts == choice[:-1]).astype(mx.int32)))
     return accepted, choice[accepted]

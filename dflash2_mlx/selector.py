@@ -19,6 +19,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
 from .sampling import SamplingParams, probabilities
 
 WALKS = ("greedy", "viterbi")
@@ -28,6 +29,16 @@ class Lattice(NamedTuple):
     candidates: mx.array  # [T, k] token ids, best draft logit first
     scores: mx.array  # [T, k, k]: scores[t, a, b] = S_t(candidate a of row t-1, candidate b of row t);
     # for t = 0 the predecessor is the anchor, whatever a
+
+
+class LatticeInputs(NamedTuple):
+    """What the pair scores are made of (all float32 but the candidates)."""
+
+    candidates: mx.array  # [T, k]
+    unary: mx.array  # [T, k]: the candidates' draft logits
+    pred_rows: mx.array  # [T, k, R]: predecessor codes of row t-1's candidates (row 0: the anchor's)
+    h: mx.array  # [T, R]: hidden_projection of the draft rows
+    succ: mx.array  # [T, k, R]: successor codes of row t's candidates
 
 
 class CandidateSelector(nn.Module):
@@ -58,7 +69,7 @@ class CandidateSelector(nn.Module):
             return self.successor_projection(embed(ids))
         return self.successor_codebook(ids)
 
-    def lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> Lattice:
+    def lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> LatticeInputs:
         """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id."""
         k = min(self.top_k, logits.shape[-1])
         top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
@@ -71,8 +82,26 @@ class CandidateSelector(nn.Module):
         pred_ids = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)), candidates[:-1]])
         pred_rows = self.predecessor_codes(pred_ids, embed).astype(mx.float32)  # [T, k, R]
         succ = self.successor_codes(candidates, embed).astype(mx.float32)  # [T, k, R]
-        scores = unary[:, None, :] + (pred_rows * h[:, None, :]) @ succ.swapaxes(-1, -2)
-        return Lattice(candidates, scores)
+        return LatticeInputs(candidates, unary, pred_rows, h, succ)
+
+    def lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> Lattice:
+        """The whole lattice (arguments as for `lattice_inputs`)."""
+        return lattice_of(self.lattice_inputs(hidden, logits, anchor, embed))
+
+
+def lattice_of(inputs: LatticeInputs) -> Lattice:
+    """All pair scores S_t(a, b) = U_t(b) + <A[a] * H_t, B[b]> (pure MLX)."""
+    scores = inputs.unary[:, None, :] + (inputs.pred_rows * inputs.h[:, None, :]) @ inputs.succ.swapaxes(-1, -2)
+    return Lattice(inputs.candidates, scores)
+
+
+def scored_path(inputs: LatticeInputs, walk: str) -> tuple[mx.array, mx.array]:
+    """(scores [T, k, k], path [T]): the lattice and a T = 0 walk over it. With kernels on this is one
+    Metal dispatch instead of an MLX op or two per draft row."""
+    if kernels.metal_enabled():
+        return kernels.scored_path(inputs.unary, inputs.pred_rows, inputs.h, inputs.succ, walk)
+    lattice = lattice_of(inputs)
+    return lattice.scores, (walk_viterbi if walk == "viterbi" else walk_greedy)(lattice)
 
 
 def walk_greedy(lat: Lattice) -> mx.array:

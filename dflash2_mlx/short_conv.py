@@ -7,6 +7,8 @@ per-channel weight (`base_kernel`) plus a dynamic correction shared by every `gr
     conv(x, base, dyn)[t, c] = sum_o (base[o, c] + dyn[t, o, c // G]) * x[t - o, c],   x[t - o] = 0 before row 0
 
 It is block-local and stateless: rows never see the previous block, so nothing is cached.
+With kernels on (`kernels.metal_enabled()`), the forward pass is one fused Metal kernel; gradients still go
+through the pure-MLX op, so training works either way.
 """
 
 from __future__ import annotations
@@ -14,9 +16,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
+
 
 def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
-    """x [..., L, D]; base [K, D]; dyn [..., L, K, D/G] -> [..., L, D] (pure MLX)."""
+    """x [..., L, D]; base [K, D]; dyn [..., L, K, D/G] -> [..., L, D]."""
+    if kernels.metal_enabled():
+        return _fused_conv(x, base, dyn)
+    return dynamic_conv_mlx(x, base, dyn)
+
+
+def dynamic_conv_mlx(x: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
+    """The pure-MLX op (the reference for the kernel)."""
     *lead, L, D = x.shape
     K, groups = base.shape[0], dyn.shape[-1]
     out = None
@@ -31,6 +42,17 @@ def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
         term = base[o].astype(x.dtype) * shifted + grouped
         out = term if out is None else out + term
     return out
+
+
+@mx.custom_function
+def _fused_conv(x, base, dyn):
+    return kernels.dynamic_conv(x, base, dyn)
+
+
+@_fused_conv.vjp
+def _fused_conv_vjp(primals, cotangent, output):
+    """A Metal kernel has no autodiff: differentiate the pure-MLX op instead."""
+    return mx.vjp(dynamic_conv_mlx, list(primals), [cotangent])[1]
 
 
 class DynamicShortConv(nn.Module):

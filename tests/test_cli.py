@@ -94,14 +94,16 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     needed = {str(p.relative_to(ROOT)) for p in (ROOT / "dflash2_mlx").rglob("*") if p.is_file()
               and "__pycache__" not in p.parts}
     needed |= {"dflash2_apps/" + p.name for p in (ROOT / "apps").glob("*.py")}
+    needed |= {"dflash2_metal/" + p.name for p in (ROOT / "metal").iterdir() if p.suffix in (".py", ".metal", ".h")}
     assert needed <= shipped, sorted(needed - shipped)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (a checkout there looks installed to pip)
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel],
-        check=True, cwd=tmp_path,
+        check=True, cwd=tmp_path, env=env,
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run(
-        [python, "-c", "import dflash2_mlx, dflash2_apps; print(dflash2_mlx.__file__, dflash2_apps.__file__)"],
+        [python, "-c", "import dflash2_mlx, dflash2_apps, dflash2_metal; from dflash2_mlx.kernels import kernel; "
+         "kernel('lattice_path'); print(dflash2_mlx.__file__, dflash2_apps.__file__, dflash2_metal.__file__)"],
         check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
     ).stdout
     assert str(ROOT) not in where and str(env_dir) in where
