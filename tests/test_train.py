@@ -21,7 +21,8 @@ from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
 from dflash2_mlx.train.features import FeatureCache
-from dflash2_mlx.train.trainer import Trainer, TrainSettings, lm_head_rows, training_vocabulary
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.train.trainer import Trainer, TrainSettings, lm_head_rows, make_batch, training_vocabulary
 
 # -- data ---------------------------------------------------------------------------------------------------
 
@@ -138,6 +139,14 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     # the result is a drafter folder that decodes losslessly
     drafter = load_drafter(str(trainer.export(tmp_path / "drafter")))
     assert drafter.config.is_dflash2 == (arch == "dflash2")
+    # training saw channel-scaled features; the exported drafter takes the target's raw ones
+    batch = make_batch(trainer.heldout, 0, trainer.settings, drafter.config.mask_token_id, sequences=2)
+    raw = trainer.target.sequence_features(batch.tokens)
+    bind_drafter(drafter, model)
+    np.testing.assert_allclose(
+        np.array(drafter.hidden(batch.blocks, raw, None, batch.where)),
+        np.array(trainer.drafter.hidden(batch.blocks, raw * trainer.feature_scale, None, batch.where)),
+        rtol=1e-4, atol=1e-4)
     prompt = [7, 8, 9, 10]
     plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     spec = generate(model, tokenizer, prompt, drafter, max_tokens=20, eos_token_ids=[])
@@ -199,6 +208,20 @@ def test_reduced_vocabulary_loss(train_data):
     t = Target(quantized)
     np.testing.assert_allclose(np.array(x @ lm_head_rows(t, ids).T), np.array(t.lm_head(x)[:, ids]),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_init_from_a_drafter_folder(tmp_path, train_data):
+    """Training can start from a drafter folder (fine-tuning a published drafter, or a later session
+    continuing a bundled one): its shape wins over the settings, and step 0 drafts exactly as it does."""
+    model, folder = train_data
+    first = Trainer(model, tmp_path / "a", settings(folder, "dflash2", 6, block_size=5))
+    first.run(progress=False)
+    exported = first.export(tmp_path / "drafter")
+    second = Trainer(model, tmp_path / "b", settings(folder, "v1", 3, init_from=str(exported)))
+    assert second.settings.architecture == "dflash2" and second.settings.block_size == 5
+    assert second.evaluate() == first.evaluate()
+    second.run(progress=False)
+    assert second.step == 3
 
 
 def test_dflash2_starts_as_identity_convs(tmp_path, train_data):

@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..config import DraftConfig, default_target_layer_ids
 from ..drafter import DFlashDraftModel, TrainingBlocks
+from ..loading import bind_drafter, resolve_path
 from ..sampling import SamplingParams
 from ..target import Target
 from .data import Sample, read_shards
@@ -57,6 +58,7 @@ class TrainSettings:
     eval_samples: int = 40
     cache_features: bool = True  # the target's features computed once, kept in the data folder
     reduced_vocabulary: bool = True  # the loss's softmax over the tokens of the training data only
+    init_from: str | None = None  # a drafter folder to start from (its config fixes the drafter's shape)
     extra: dict = field(default_factory=dict)
 
     def loss_gamma(self) -> float:
@@ -196,13 +198,17 @@ class Trainer:
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(f"{settings.data} has {len(self.train_samples)} training samples; need at least "
                              f"{settings.sequences_per_step} (run `dflash2 data` first)")
-        probe = Target(model)
-        config = drafter_config(probe, settings)
+        if settings.init_from:
+            # the drafter's shape is the folder's: record it so the loss, the card and resume agree
+            config = DraftConfig.from_path(resolve_path(settings.init_from))
+            settings = self.settings = replace(
+                settings, architecture="dflash2" if config.is_dflash2 else "v1", block_size=config.block_size,
+                layers=config.num_hidden_layers, mask_token_id=config.mask_token_id)
+        else:
+            config = drafter_config(Target(model), settings)
         self.target = Target(model, config.target_layer_ids)
         mx.random.seed(settings.seed)
         self.drafter = DFlashDraftModel(config)
-        from ..loading import bind_drafter
-
         bind_drafter(self.drafter, model)
         B = settings.block_size
         ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
@@ -237,12 +243,42 @@ class Trainer:
         if settings.cache_features:
             self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target),
                            "heldout": FeatureCache(settings.data, self.heldout, self.target)}
+        self.feature_scale = mx.array(self._feature_scale())
+        if settings.init_from:
+            self._warm_start(settings.init_from)
+
+    def _warm_start(self, folder: str) -> None:
+        """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
+        outputs, or continue training a bundled one in a later session."""
+        from ..loading import load_drafter
+
+        weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
+        weights["fc.weight"] = weights["fc.weight"] / self.feature_scale  # folders take raw features
+        self.drafter.load_weights(list(weights.items()))
+        mx.eval(self.drafter.parameters())
+
+    def _feature_scale(self) -> np.ndarray:
+        """1 / RMS of each feature channel. Targets have "massive activation" channels (SmolLM2: three of
+        them hold 93-99% of the energy of its deeper layers), which drown every other channel in
+        fc + hidden_norm and made the drafter learn almost nothing from its context. Training sees
+        features with unit-RMS channels; `export` folds the scale into fc, so a drafter folder takes the
+        target's raw features like any other."""
+        if self.caches:
+            rows = self.caches["train"].rows
+            rows = np.asarray(rows[:: max(1, len(rows) // 20000)], np.float32)
+        else:
+            rows = np.concatenate([np.array(self.target.sequence_features(mx.array(s.tokens[None]))[0])
+                                   for s in self.train_samples[:16]])
+        return (1 / np.maximum(np.sqrt(np.mean(rows**2, axis=0)), 1e-3)).astype(np.float32)
 
     def context(self, batch: Batch, split: str) -> mx.array:
-        """The target's features of the batch's sequences (from the cache when there is one)."""
+        """The target's features of the batch's sequences (from the cache when there is one), scaled
+        channel by channel (see `_feature_scale`)."""
         if split in self.caches:
-            return self.caches[split].context(batch.picked, batch.tokens.shape[1])
-        return self.target.sequence_features(batch.tokens)
+            features = self.caches[split].context(batch.picked, batch.tokens.shape[1])
+        else:
+            features = self.target.sequence_features(batch.tokens)
+        return features.astype(mx.float32) * self.feature_scale
 
     # -- checkpoints -----------------------------------------------------------------------------------
     @property
@@ -346,7 +382,9 @@ class Trainer:
         config = self.drafter.config.to_hf_dict()
         config["dtype"] = "float32"
         (folder / "config.json").write_text(json.dumps(config, indent=2))
-        write_weights(folder, hf_names(dict(tree_flatten(self.drafter.parameters())), self.drafter.config))
+        weights = dict(tree_flatten(self.drafter.parameters()))
+        weights["fc.weight"] = weights["fc.weight"] * self.feature_scale  # takes raw target features
+        write_weights(folder, hf_names(weights, self.drafter.config))
         return folder
 
 
