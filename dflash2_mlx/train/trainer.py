@@ -15,7 +15,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -300,8 +300,11 @@ class Trainer:
         if not (self.checkpoint / "state.json").exists():
             return False
         state = json.loads((self.checkpoint / "state.json").read_text())
-        recorded = {k: v for k, v in state["settings"].items() if k not in ("steps", "eval_every", "checkpoint_every")}
-        current = {k: v for k, v in asdict(self.settings).items() if k not in ("steps", "eval_every", "checkpoint_every")}
+        free = ("steps", "eval_every", "checkpoint_every")
+        # settings added after a checkpoint was written take their defaults, which is what it ran with
+        defaults = {f.name: f.default for f in fields(TrainSettings) if f.default is not MISSING}
+        recorded = {k: v for k, v in {**defaults, **state["settings"]}.items() if k not in free}
+        current = {k: v for k, v in asdict(self.settings).items() if k not in free}
         if recorded != current:
             raise ValueError(f"{self.checkpoint} was made with other settings ({recorded}); use another --out")
         self.drafter.load_weights(list(mx.load(str(self.checkpoint / "drafter.safetensors")).items()))
