@@ -143,16 +143,18 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
 
     results = []
     with Progress(disable=not progress, transient=True) as bar:
-        total = len(temps) * (trials + 1) * len(methods) * len(prompts)
+        total = len(temps) * (trials * len(prompts) + 1) * len(methods)
         task = bar.add_task("bench", total=total)
         for temp in temps:
             runs = {m.name: [] for m in methods}
-            for trial in range(trials + 1):  # trial 0 is the warm-up, not counted
+            for m in methods:  # warm-up (compilation, allocator), not counted: a short run of the first prompt
+                run_method(m, model, tokenizer, prompts[0], min(max_tokens, 16), temp, classic_draft)
+                bar.advance(task)
+            for trial in range(1, trials + 1):
                 for m in methods:
                     mx.random.seed(trial)
-                    out = [run_method(m, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts]
-                    if trial:
-                        runs[m.name].append(out)
+                    runs[m.name].append(
+                        [run_method(m, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
                     bar.advance(task, len(prompts))
             baseline = summarize(methods[0], runs[methods[0].name], None)
             for m in methods:
