@@ -47,7 +47,8 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
 
     eos = set(tokenizer.eos_token_ids)
     if method.kind in ("mlx-lm", "mlx-lm-spec"):
-        kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if classic_draft else {}
+        spec = method.kind == "mlx-lm-spec"
+        kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if spec else {}
         tokens, last = [], None
         for last in mlx_stream(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp), **kwargs):
             tokens.append(last.token)

@@ -47,6 +47,17 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     assert "speedup over mlx-lm" in capsys.readouterr().out
 
 
+def test_classic_speculative_baseline(tiny_pair, tmp_path):
+    """--baseline-draft-model adds mlx-lm's classic speculative decoding, and only to its own rows: the
+    mlx-lm baseline stays plain (here the draft is the target itself, so every draft is accepted)."""
+    target, drafter = tiny_pair
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--baseline-draft-model", str(target),
+                 "--quick", "--block-sizes", "4", "--json", str(tmp_path / "b.json")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
+    assert rows["mlx-lm speculative k=3"]["lossless"] is True and rows["mlx-lm speculative k=3"]["kind"] == "mlx-lm-spec"
+    assert rows["mlx-lm"]["kind"] == "mlx-lm"
+
+
 def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     target, drafter = tiny_pair
 
