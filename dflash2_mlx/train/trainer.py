@@ -391,7 +391,17 @@ class Trainer:
         return folder
 
 
-def write_card(folder: str | Path, trainer: Trainer, target_name: str, seconds: float) -> None:
+def training_seconds(log: list[dict]) -> float:
+    """Wall time of the logged steps over every run of a resumed training (each run's clock starts at 0)."""
+    total = last = 0.0
+    for entry in log:
+        if entry["seconds"] < last:
+            total += last
+        last = entry["seconds"]
+    return total + last
+
+
+def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
     """A short training card next to the drafter: data, steps, time, held-out acceptance."""
     folder = Path(folder)
     evals = [e for e in trainer.log if "tau" in e]
@@ -403,7 +413,8 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str, seconds: 
         "data": {"train_samples": len(trainer.train_samples), "heldout_samples": sum(s.heldout for s in data),
                  "response_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data))},
         "steps": trainer.step,
-        "train_seconds_this_run": round(seconds, 1),
+        "runs": 1 + sum(b["seconds"] < a["seconds"] for a, b in zip(trainer.log, trainer.log[1:])),
+        "train_seconds": round(training_seconds(trainer.log), 1),
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
@@ -418,6 +429,6 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str, seconds: 
         f"{trainer.settings.anchors_per_sequence} anchors, block {trainer.settings.block_size}, "
         f"{trainer.settings.layers} layer(s), {card['parameters']:,} parameters",
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}",
-        f"- training time of the last run: {card['train_seconds_this_run']} s",
+        f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
     (folder / "README.md").write_text("\n".join(lines) + "\n")
