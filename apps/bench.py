@@ -226,9 +226,10 @@ def render(report: dict, console=None) -> str:
     console.print(table)
     top = max((r["speedup"] or 0) for r in report["results"]) or 1
     console.print("[bold]speedup over mlx-lm[/] (same run)")
+    width = max(len(r["method"]) for r in report["results"])
     for r in report["results"]:
         if r["speedup"]:
-            console.print(f"  {r['method'][:28]:28s} T={r['temperature']:<4g}{_bar(r['speedup'], top)} {r['speedup']:.2f}x")
+            console.print(f"  {r['method']:{width}s} T={r['temperature']:<4g}{_bar(r['speedup'], top)} {r['speedup']:.2f}x")
     for r in report["results"]:
         if r["acceptance_by_position"]:
             profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
