@@ -49,11 +49,12 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
     if method.kind in ("mlx-lm", "mlx-lm-spec"):
         spec = method.kind == "mlx-lm-spec"
         kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if spec else {}
-        tokens, last = [], None
+        tokens, from_draft, last = [], [], None
         for last in mlx_stream(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp), **kwargs):
             tokens.append(last.token)
+            from_draft.append(last.from_draft)
         return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-                   len(prompt) / last.prompt_tps, last.peak_memory)
+                   len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
     tokens, accepted, last = [], [], None
     mode = "off" if method.kind == "plain" else "dflash"
     for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
@@ -63,6 +64,22 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             accepted.append(last.accepted)
     return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
                len(prompt) / last.prompt_tps, last.peak_memory, accepted)
+
+
+def accepted_per_cycle(from_draft: list[bool]) -> list[int]:
+    """Accepted draft counts of mlx-lm's speculative cycles, read off its `from_draft` flags.
+
+    Each cycle yields its accepted draft tokens (True) and then the target's own token (False); a run of
+    True flags cut off by max_tokens or EOS has no target token and is not a whole cycle, so it is dropped.
+    """
+    counts, run = [], 0
+    for flag in from_draft:
+        if flag:
+            run += 1
+        else:
+            counts.append(run)
+            run = 0
+    return counts
 
 
 def token_hash(runs: list[Run]) -> str:

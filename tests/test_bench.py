@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx.decode as decode
+from dflash2_apps.bench import accepted_per_cycle
 from dflash2_apps.cli import main
 from dflash2_mlx.prompts import load_suite
 
@@ -54,8 +55,18 @@ def test_classic_speculative_baseline(tiny_pair, tmp_path):
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--baseline-draft-model", str(target),
                  "--quick", "--block-sizes", "4", "--json", str(tmp_path / "b.json")]) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
-    assert rows["mlx-lm speculative k=3"]["lossless"] is True and rows["mlx-lm speculative k=3"]["kind"] == "mlx-lm-spec"
-    assert rows["mlx-lm"]["kind"] == "mlx-lm"
+    classic = rows["mlx-lm speculative k=3"]
+    assert classic["lossless"] is True and classic["kind"] == "mlx-lm-spec"
+    assert rows["mlx-lm"]["kind"] == "mlx-lm" and rows["mlx-lm"]["tau"] is None
+    # its own drafts: (nearly) every cycle accepts all 3, so tau is close to 4 and the profile is flat
+    assert classic["cycles"] > 0 and classic["tau"] > 3.5
+    assert len(classic["acceptance_by_position"]) == 3 and min(classic["acceptance_by_position"]) > 0.8
+
+
+def test_classic_cycles_from_mlx_lm_flags():
+    """mlx-lm yields each cycle's accepted drafts (from_draft=True) and then the target's token."""
+    flags = [False, True, True, False, False, True, False, True, True]  # the last run was cut by max_tokens
+    assert accepted_per_cycle(flags) == [0, 2, 0, 1]
 
 
 def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
