@@ -29,6 +29,15 @@ class Sample:
     heldout: bool
 
 
+def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
+    """Token ids of samples `picked`, right-padded with zeros to `length` (default: the longest): [S, length]."""
+    length = length or max(len(samples[i].tokens) for i in picked)
+    out = np.zeros((len(picked), length), np.int32)
+    for row, i in enumerate(picked):
+        out[row, : len(samples[i].tokens)] = samples[i].tokens
+    return out
+
+
 def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
     """(index, id, first human turn) of each whole conversation in the ShareGPT file. The packaged JSON array
     is cut off mid-object, so it is decoded object by object and the broken tail is dropped."""

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..target import Target
-from .data import Sample
+from .data import Sample, padded_tokens
 
 
 def fingerprint(target: Target) -> str:
@@ -59,10 +59,7 @@ class FeatureCache:
                 batch = todo[: max(1, max_batch_tokens // length)]
                 batch = [i for i in batch if len(self.samples[i].tokens) <= 2 * length] or batch[:1]
                 todo = todo[len(batch):]
-                longest = max(len(self.samples[i].tokens) for i in batch)
-                tokens = np.zeros((len(batch), longest), np.int32)
-                for row, i in enumerate(batch):
-                    tokens[row, : len(self.samples[i].tokens)] = self.samples[i].tokens
+                tokens = padded_tokens(self.samples, batch)
                 feats = np.array(target.sequence_features(mx.array(tokens)).astype(mx.float32))
                 if not np.isfinite(feats).all() or np.abs(feats).max() > 6e4:
                     raise ValueError("target features overflow float16; train without the feature cache")

@@ -30,7 +30,7 @@ from ..drafter import DFlashDraftModel, TrainingBlocks
 from ..loading import bind_drafter, resolve_path
 from ..sampling import SamplingParams
 from ..target import Target
-from .data import Sample, read_shards
+from .data import Sample, padded_tokens, read_shards
 from .features import FeatureCache
 
 
@@ -118,12 +118,11 @@ def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_i
     picked = rng.choice(len(samples), size=sequences or settings.sequences_per_step, replace=False)
     length = max(len(samples[i].tokens) for i in picked)
     length = int(math.ceil(length / 64) * 64)  # few distinct shapes, few recompilations
-    tokens = np.zeros((len(picked), length), np.int32)
+    tokens = padded_tokens(samples, picked, length)
     anchors, labels = [], []
     B = settings.block_size
-    for row, i in enumerate(picked):
+    for i in picked:
         s = samples[i]
-        tokens[row, : len(s.tokens)] = s.tokens
         first, last = s.prompt_len, len(s.tokens) - 2  # anchors are response tokens with a next token
         if last < first:
             first = last = max(len(s.tokens) - 2, 0)
