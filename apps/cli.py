@@ -419,32 +419,11 @@ def _summary(r) -> str:
     return " | ".join(parts)
 
 
-def _openblas() -> str | None:
-    for lib in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
-        if os.path.exists(lib):
-            return lib
-    from ctypes.util import find_library
-
-    return find_library("openblas")
-
-
-def _restart_with_openblas() -> None:
-    """On Linux, MLX's CPU backend does float32 matmuls ~50x faster with OpenBLAS than with the
-    reference BLAS its wheel bundles. When OpenBLAS is installed but not loaded, restart once with it
-    preloaded (DFLASH2_NO_OPENBLAS=1 turns this off)."""
-    if sys.platform != "linux" or os.environ.get("DFLASH2_NO_OPENBLAS"):
-        return
-    lib = _openblas()
-    preload = os.environ.get("LD_PRELOAD", "")
-    if lib is None or "openblas" in preload:
-        return
-    env = dict(os.environ, LD_PRELOAD=f"{lib} {preload}".strip())
-    os.execve(sys.executable, [sys.executable, "-m", "dflash2_apps.cli", *sys.argv[1:]], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
-        _restart_with_openblas()
+        from dflash2_apps.openblas import restart_with_openblas
+
+        restart_with_openblas(["-m", "dflash2_apps.cli", *sys.argv[1:]])
     parser = argparse.ArgumentParser(
         prog="dflash2", description="DFlash / DFlash 2 speculative decoding on MLX"
     )
