@@ -159,7 +159,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
           temps: list[float], classic_draft=None, progress: bool = True) -> dict:
     from rich.progress import Progress
 
-    results = []
+    results, sample = [], None
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
         task = bar.add_task("bench", total=total)
@@ -175,6 +175,8 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                         [run_method(m, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
                     bar.advance(task, len(prompts))
             baseline = summarize(methods[0], runs[methods[0].name], None)
+            if sample is None:  # every method agreeing proves nothing if the target itself babbles
+                sample = {"temperature": temp, "text": tokenizer.decode(runs[methods[0].name][0][0].tokens)}
             for m in methods:
                 row = summarize(m, runs[m.name], baseline["generation_tps_median"])
                 row["temperature"] = temp
@@ -184,7 +186,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)
-    return {"results": results, "errors": [
+    return {"results": results, "sample_output": sample, "errors": [
         f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
         if r["lossless"] is False
     ]}
@@ -252,6 +254,13 @@ def render(report: dict, console=None) -> str:
             profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
             md.append(f"\n{r['method']} T={r['temperature']:g} accepted by position 1..{len(r['acceptance_by_position'])}: "
                       f"{profile}")
+    sample = report.get("sample_output")
+    if sample:
+        text = " ".join(sample["text"].split())
+        text = text[:200] + (" ..." if len(text) > 200 else "")
+        line = f"{report['results'][0]['method']} output of prompt 1 (T={sample['temperature']:g}): {text}"
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     for e in report["errors"]:
         console.print(f"[bold red]error:[/] {e}")
         md.append(f"\n**error:** {e}")
