@@ -185,7 +185,7 @@ def test_k_quant_files_are_dequantized_by_llama_cpp_code(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    tensors, meta = read(tmp_path / "k.gguf")
+    tensors, _ = read(tmp_path / "k.gguf")
     assert set(tensors) == set(want)
     for name, value in want.items():
         assert np.abs(value).max() > 0.1

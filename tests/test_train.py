@@ -22,7 +22,9 @@ from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
 from dflash2_mlx.train.features import FeatureCache
 from dflash2_mlx.loading import bind_drafter
-from dflash2_mlx.train.trainer import Trainer, TrainSettings, lm_head_rows, make_batch, training_vocabulary
+from dflash2_mlx.train.trainer import (
+    Trainer, TrainSettings, lm_head_rows, make_batch, run_seconds, training_vocabulary,
+)
 
 # -- data ---------------------------------------------------------------------------------------------------
 
@@ -262,3 +264,9 @@ def test_train_command(tmp_path, tiny_pair, capsys):
                  "--prompt", "w1", "--max-tokens", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["verify_mode"] == "dflash"
     assert Path(tmp_path / "t" / "drafter" / "model.safetensors").exists()
+
+
+def test_run_seconds_splits_a_resumed_log():
+    """Each resumed run's clock restarts at 0: the card sums the runs' wall times and counts them."""
+    log = [{"seconds": 5.0}, {"seconds": 9.0}, {"seconds": 2.0}, {"seconds": 4.5}]
+    assert run_seconds(log) == [9.0, 4.5] and run_seconds([]) == [0.0]

@@ -390,20 +390,21 @@ class Trainer:
         return folder
 
 
-def training_seconds(log: list[dict]) -> float:
-    """Wall time of the logged steps over every run of a resumed training (each run's clock starts at 0)."""
-    total = last = 0.0
+def run_seconds(log: list[dict]) -> list[float]:
+    """Wall time of each run of a resumed training, read off the step log (each run's clock starts at 0)."""
+    runs = [0.0]
     for entry in log:
-        if entry["seconds"] < last:
-            total += last
-        last = entry["seconds"]
-    return total + last
+        if entry["seconds"] < runs[-1]:
+            runs.append(0.0)
+        runs[-1] = entry["seconds"]
+    return runs
 
 
 def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
     """A short training card next to the drafter: data, steps, time, held-out acceptance."""
     folder = Path(folder)
     evals = [e for e in trainer.log if "tau" in e]
+    runs = run_seconds(trainer.log)
     data = read_shards(trainer.settings.data)
     card = {
         "target": target_name,
@@ -412,8 +413,8 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "data": {"train_samples": len(trainer.train_samples), "heldout_samples": sum(s.heldout for s in data),
                  "response_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data))},
         "steps": trainer.step,
-        "runs": 1 + sum(b["seconds"] < a["seconds"] for a, b in zip(trainer.log, trainer.log[1:])),
-        "train_seconds": round(training_seconds(trainer.log), 1),
+        "runs": len(runs),
+        "train_seconds": round(sum(runs), 1),
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
