@@ -201,12 +201,14 @@ def _data_parser(sub) -> None:
     )
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--num-prompts", type=int, default=2000,
+                   help="prompts to answer; rerunning with a larger number grows an existing folder")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="responses decoded at once (continuous batching; may change between runs)")
     p.set_defaults(run=_run_data)
 
 

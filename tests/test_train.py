@@ -3,6 +3,8 @@ shards, disjoint held-out split) and the trainer (learns, resumes bit-identicall
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +38,7 @@ def test_sharegpt_is_read_object_by_object():
     assert all(isinstance(text, str) and text for _, _, text in first)
 
 
-SETTINGS = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=8, batch_size=2)
+SETTINGS = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=8, batch_size=1)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def test_data_shards_and_boundaries(tmp_path, tiny):
     model, tokenizer = tiny
     build(tmp_path / "d", SETTINGS, model, tokenizer, progress=False)
     samples = read_shards(tmp_path / "d")
-    assert len(samples) == 6 and len(list((tmp_path / "d").glob("shard-*.npz"))) == 3
+    assert len(samples) == 6 and len(list((tmp_path / "d").glob("shard-*.npz"))) == 2  # 4 prompts a shard
     prompts = {}
     for index, cid, text in data.sharegpt_conversations():
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -90,14 +92,31 @@ def test_data_resumes_after_interruption(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(data, "write_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
         build(tmp_path / "cut", SETTINGS, model, tokenizer, progress=False)
-    assert len(read_shards(tmp_path / "cut")) == 2 and not list((tmp_path / "cut").glob("*.tmp*"))
+    assert len(read_shards(tmp_path / "cut")) == 4 and not list((tmp_path / "cut").glob("*.tmp*"))
     monkeypatch.setattr(data, "write_shard", real_write)
     build(tmp_path / "cut", SETTINGS, model, tokenizer, progress=False)
     whole = {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "whole")}
     resumed = {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "cut")}
     assert resumed == whole  # nothing lost, nothing twice
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="max_prompt_tokens: 400 there, 256 here"):
         build(tmp_path / "cut", DataSettings(target="tiny", num_prompts=9), model, tokenizer, progress=False)
+
+
+def test_data_grows_with_more_prompts(tmp_path, tiny):
+    """A finished folder grows when asked for more prompts (at another batch size): what it held stays as it
+    was, the new prompts are the next ones of the source, and each run's throughput is recorded."""
+    model, tokenizer = tiny
+    build(tmp_path / "d", SETTINGS, model, tokenizer, progress=False)
+    before = {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "d")}
+    more = dataclasses.replace(SETTINGS, num_prompts=9, batch_size=3)
+    build(tmp_path / "d", more, model, tokenizer, progress=False)
+    build(tmp_path / "whole", more, model, tokenizer, progress=False)
+    grown = {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "d")}
+    assert len(grown) == 9 and all(grown[k] == v for k, v in before.items())
+    assert grown == {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "whole")}
+    meta = json.loads((tmp_path / "d" / "data.json").read_text())
+    assert meta["settings"]["num_prompts"] == 9
+    assert [(r["batch_size"], r["prompts"]) for r in meta["runs"]] == [(1, 6), (3, 3)]
 
 
 # -- training -------------------------------------------------------------------------------------------------

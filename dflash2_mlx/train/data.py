@@ -105,9 +105,15 @@ class DataSettings:
     batch_size: int = 16
 
 
+# Settings that only say how much or how fast: a data folder may be grown (more prompts) or resumed with
+# another batch size. Every other setting defines what a sample is, and must match the folder's.
+GROWABLE = ("num_prompts", "batch_size")
+SHARD_BATCHES = 4
+
+
 def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, progress: bool = True) -> Path:
-    """Generate (or resume generating) the data set in `out`. `model`/`tokenizer` default to loading
-    `settings.target`."""
+    """Generate (or resume, or grow) the data set in `out`. `model`/`tokenizer` default to loading
+    `settings.target`. Each run's throughput is appended to `data.json` (`runs`)."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -115,14 +121,20 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "data.json"
+    meta = {"settings": asdict(settings), "heldout_every": HELDOUT_EVERY, "runs": []}
     if meta_path.exists():
-        recorded = json.loads(meta_path.read_text())["settings"]
-        if recorded != asdict(settings):
+        meta = {**meta, **json.loads(meta_path.read_text())}
+        recorded = meta["settings"]
+        differ = {k: (recorded.get(k), v) for k, v in asdict(settings).items()
+                  if k not in GROWABLE and recorded.get(k) != v}
+        if differ:
             raise ValueError(
-                f"{out} holds data made with other settings ({recorded}); use another folder or the same settings"
+                f"{out} holds data made with other settings ("
+                + ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+                + "); use another folder or the same settings (only --num-prompts and --batch-size may change)"
             )
-    else:
-        meta_path.write_text(json.dumps({"settings": asdict(settings), "heldout_every": HELDOUT_EVERY}, indent=2))
+        meta["settings"] = {**recorded, "num_prompts": max(recorded["num_prompts"], settings.num_prompts)}
+    meta_path.write_text(json.dumps(meta, indent=2))
     done = {s.id for s in read_shards(out)}
     shard_index = len(list(out.glob("shard-*.npz")))
     if model is None:
@@ -146,15 +158,20 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     eos = next(iter(tokenizer.eos_token_ids))
     pending = list(todo())
     total_new = len(pending)
-    tic, generated = time.perf_counter(), 0
+    tic, generated, run = time.perf_counter(), 0, len(meta["runs"])
     with Progress(TextColumn("[bold]data"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
                   TextColumn("{task.fields[tps]:.0f} tok/s"), TimeRemainingColumn(), disable=not progress) as bar:
         task = bar.add_task("data", total=total_new, tps=0.0)
-        for start in range(0, len(pending), settings.batch_size):
-            batch = pending[start : start + settings.batch_size]
+        # A shard holds SHARD_BATCHES batches' worth of prompts, decoded `batch_size` at a time by mlx-lm's
+        # continuous batching: a finished response's slot is refilled at once instead of idling until the
+        # batch's longest response ends.
+        shard_size = SHARD_BATCHES * settings.batch_size
+        for start in range(0, len(pending), shard_size):
+            batch = pending[start : start + shard_size]
             mx.random.seed(settings.seed + shard_index)
             result = batch_generate(model, tokenizer, [ids for _, ids, _ in batch],
-                                    max_tokens=settings.max_new_tokens, return_token_ids=True, sampler=sampler)
+                                    max_tokens=settings.max_new_tokens, return_token_ids=True, sampler=sampler,
+                                    completion_batch_size=settings.batch_size)
             samples = []
             for (cid, ids, heldout), response in zip(batch, result.token_ids):
                 if len(response) < settings.max_new_tokens:  # it stopped at EOS, which batch_generate drops
@@ -164,4 +181,12 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
             write_shard(out / f"shard-{shard_index:05d}.npz", samples)
             shard_index += 1
             bar.update(task, advance=len(batch), tps=generated / (time.perf_counter() - tic))
+            meta["runs"][run:] = [_throughput(settings.batch_size, start + len(batch), generated, time.perf_counter() - tic)]
+            meta_path.write_text(json.dumps(meta, indent=2))
     return out
+
+
+def _throughput(batch_size: int, prompts: int, tokens: int, seconds: float) -> dict:
+    """One run's throughput so far (rewritten after every shard, so an interrupted run still counts)."""
+    return {"batch_size": batch_size, "prompts": prompts, "response_tokens": tokens, "seconds": round(seconds, 1),
+            "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}
