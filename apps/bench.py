@@ -134,8 +134,8 @@ def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repe
     drafter, B = method.drafter, method.block_size
     target = bind_drafter(drafter, model)
     cache, draft_cache = target.make_cache(), drafter.make_cache()
-    with target.capturing():
-        logits, context = target.prefill(mx.array(prompt), cache)
+    with target.capture() as tap:
+        logits, context = tap.prefill(mx.array(prompt), cache)
         mx.eval(logits, context)
         block = mx.array([[int(prompt[-1])] + [drafter.config.mask_token_id] * (B - 1)])
         draft_s, verify_s = [], []
@@ -145,10 +145,10 @@ def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repe
             proposal = drafter.propose(block, context[None], draft_cache, SamplingParams(), method.walk)
             mx.eval(proposal.tokens)
             t1 = time.perf_counter()
-            out, _ = target(mx.concatenate([block[0, :1], proposal.tokens.astype(block.dtype)]), cache, record=True)
-            mx.eval(out)
+            verified = tap.verify(mx.concatenate([block[0, :1], proposal.tokens.astype(block.dtype)]), cache)
+            mx.eval(verified.logits)
             t2 = time.perf_counter()
-            target.rollback(cache, B)
+            tap.rollback(cache, verified, 0)
             draft_s.append(t1 - t0)
             verify_s.append(t2 - t1)
     d, v = statistics.median(draft_s), statistics.median(verify_s)

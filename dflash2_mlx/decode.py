@@ -27,10 +27,10 @@ def plain_steps(
 ) -> Iterator[Step]:
     """One target forward per token; the next token is computed while the caller reads this one."""
     cache = target.make_cache()
-    logits, _ = target.prefill(prompt, cache, prefill_step_size)
+    logits = target.prefill(prompt, cache, prefill_step_size)
     token = sample(logits, params)
     while True:
-        logits, _ = target(token.reshape(1), cache)
+        logits = target(token.reshape(1), cache)
         next_token = sample(logits[-1], params)
         mx.async_eval(next_token)
         yield Step([token.item()])
@@ -49,8 +49,8 @@ def dflash_steps(
 ) -> Iterator[Step]:
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     mask_id = drafter.config.mask_token_id
-    with target.capturing():
-        logits, context = target.prefill(prompt, cache, prefill_step_size)
+    with target.capture() as tap:
+        logits, context = tap.prefill(prompt, cache, prefill_step_size)
         anchor = sample(logits, params)
         yield Step([anchor.item()])
         produced = 1
@@ -60,7 +60,8 @@ def dflash_steps(
             block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])
             drafts, draft_probs, finite = drafter.propose(block[None], context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
-            verify_logits, features = target(mx.concatenate([anchor.reshape(1), drafts]), cache, record=True)
+            verified = tap.verify(mx.concatenate([anchor.reshape(1), drafts]), cache)
+            verify_logits = verified.logits
             if params.greedy:
                 accepted, bonus = accept_greedy(drafts, verify_logits)
             else:
@@ -72,8 +73,8 @@ def dflash_steps(
             head = mx.stack([accepted, bonus.astype(accepted.dtype), finite.astype(accepted.dtype)])
             result = mx.concatenate([head, drafts.astype(accepted.dtype)]).tolist()
             a, bonus_id = result[0], result[1]
-            target.rollback(cache, B - 1 - a)
-            context = features[: a + 1]  # features of the anchor and the accepted drafts only
+            tap.rollback(cache, verified, a + 1)
+            context = verified.features[: a + 1]  # features of the anchor and the accepted drafts only
             anchor = mx.array(bonus_id, dtype=anchor.dtype)
             produced += a + 1
             yield Step(result[3 : 3 + a] + [bonus_id], a, not result[2])

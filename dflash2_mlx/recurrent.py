@@ -10,41 +10,51 @@ state is rows n .. n+K-2 of the recorded conv input. Memory: O(rows of one verif
 Recording needs no patching: a recorded layer is re-classed, for one generation, to a subclass whose
 `__call__` is mlx-lm's own code with `gated_delta_update` rebound (in a private copy of its globals) to a
 recording wrapper, and its `conv1d` child is re-classed to record its input. Nothing is shared with other
-instances, and `Target.capturing` restores the classes on exit.
+instances, and `Target.capture` restores the classes on exit.
 """
 
 from __future__ import annotations
 
 import types
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 
-class Recorder:
-    """What one recurrent layer saw during the last recorded forward."""
+class Recorded(NamedTuple):
+    """What one recurrent layer saw during one verify pass."""
 
-    def __init__(self):
-        self.active = False
-        self.recurrence: tuple | None = None  # (args, kwargs) of its gated_delta_update call
-        self.conv_input: mx.array | None = None
-
-    @property
-    def rows(self) -> int:
-        """Rows of the last recorded forward."""
-        return self.recurrence[0][0].shape[1]
+    recurrence: tuple  # (args, kwargs) of its gated_delta_update call
+    conv_input: mx.array
+    update: Callable  # the gated_delta_update it called
 
     def rebuild(self, cache, n: int) -> None:
         """Set `cache` ([conv state, recurrent state]) to its value after the first n recorded rows."""
-        if self.recurrence is None or self.conv_input is None:
-            raise RuntimeError("no recorded verify pass to roll back (the forward was not recorded)")
         (q, k, v, a, b, A_log, dt_bias, state0, _mask), kwargs = self.recurrence
         first = lambda x: x[:, :n]  # noqa: E731
-        _, state = self._update(first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs)
+        _, state = self.update(first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs)
         kept = self.conv_input.shape[1] - q.shape[1]  # the K - 1 rows of the previous conv state
         cache[0] = mx.contiguous(self.conv_input[:, n : n + kept])
         cache[1] = state
+
+
+class Recorder:
+    """Where one recurrent layer puts what it sees while `active` (one verify pass)."""
+
+    def __init__(self):
+        self.active = False
+        self.recurrence: tuple | None = None
+        self.conv_input: mx.array | None = None
+        self._update = None
+
+    def take(self) -> Recorded:
+        """What the pass just run recorded; the recorder is empty again after."""
+        if self.recurrence is None or self.conv_input is None:
+            raise RuntimeError("the recurrent layer recorded nothing during the verify pass")
+        seen = Recorded(self.recurrence, self.conv_input, self._update)
         self.recurrence = self.conv_input = None
+        return seen
 
 
 def is_recurrent(module: nn.Module) -> bool:

@@ -6,15 +6,16 @@ after a partial acceptance: KV caches are trimmed, sliding-window caches cut, an
 hybrid models (GatedDeltaNet layers) rebuilt from what their layers recorded (`recurrent.py`).
 
 Features are captured by re-classing only the few layer *instances* the drafter reads (a per-instance
-subclass whose `__call__` records the output), for the duration of a `with target.capturing():` block.
-The layers keep their parameters and names, no class is modified, and the model is restored on exit
-even if generation raises.
+subclass whose `__call__` records the output), for the duration of a `with target.capture() as tap:` block
+owned by one generation. The layers keep their parameters and names, no class is modified, and the model is
+restored on exit even if generation raises. A verify pass returns a record (`Verified`) and a rollback takes
+it: nothing depends on which forward ran last.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,28 +45,108 @@ def _parts(model: nn.Module):
     )
 
 
-class _Recorder:
-    """Where tapped layers put their outputs during one forward."""
-
-    def __init__(self):
-        self.outputs: dict[int, mx.array] = {}
-
-
 _TAPPED_CLASSES: dict[type, type] = {}
 
 
 def _tapped_class(cls: type) -> type:
-    """A subclass of `cls` whose instances record their output; made once per layer class."""
+    """A subclass of `cls` whose instances record their output in their capture; made once per layer class."""
     if cls not in _TAPPED_CLASSES:
 
         def __call__(self, *args, **kwargs):
             out = cls.__call__(self, *args, **kwargs)
-            tap = self.__dict__["_dflash_tap"]
-            tap[0].outputs[tap[1]] = out[0] if isinstance(out, tuple) else out
+            capture, i = self.__dict__["_dflash_tap"]
+            capture.outputs[i] = out[0] if isinstance(out, tuple) else out
             return out
 
         _TAPPED_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
     return _TAPPED_CLASSES[cls]
+
+
+class Verified(NamedTuple):
+    """One verify pass: its logits [L, V] and features [L, k*D] (None without layer ids), and what
+    `Capture.rollback` needs to undo any suffix of its rows."""
+
+    logits: mx.array
+    features: mx.array | None
+    rows: int
+    offset: int  # the KV caches' offset right after the pass (a rollback checks nothing came after it)
+    recurrences: dict  # layer index -> what that recurrent layer saw (`recurrent.Recorded`)
+
+
+class Capture:
+    """A target's forwards with the drafter's features, for one generation (`with target.capture() as tap`).
+
+    It owns the model's tapped layers while open: a second capture of the same model (another generation
+    interleaved with this one) is refused, never allowed to write into this one's records."""
+
+    def __init__(self, target: "Target"):
+        self.target = target
+        self.outputs: dict[int, mx.array] = {}
+        self.recorders = {i: recurrent.Recorder() for i in target.recurrent}
+
+    def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+        """Logits [L, V] and features [L, k*D] (None without layer ids) of `tokens` [L]; not undoable."""
+        logits = self.target.model(tokens[None], cache=cache)[0]
+        features = self._features()
+        return logits, None if features is None else features[0]
+
+    def prefill(self, prompt: mx.array, cache: list, step_size: int = 2048) -> tuple[mx.array, mx.array | None]:
+        """`Target.prefill`, with the features of every prompt row [n, k*D] (None without layer ids)."""
+        features = []
+
+        def forward(chunk):
+            logits, feats = self.forward(chunk, cache)
+            features.extend([] if feats is None else [feats])
+            return logits, features
+
+        logits = self.target._prefill(prompt, cache, step_size, forward)
+        return logits, (mx.concatenate(features) if features else None)
+
+    def verify(self, tokens: mx.array, cache: list) -> Verified:
+        """A forward whose rows `rollback` can undo (recurrent layers record what they need)."""
+        for r in self.recorders.values():
+            r.active = True
+        try:
+            logits, features = self.forward(tokens, cache)
+        finally:
+            for r in self.recorders.values():
+                r.active = False
+        seen = {i: r.take() for i, r in self.recorders.items()}
+        return Verified(logits, features, tokens.size, _offset(cache), seen)
+
+    def rollback(self, cache: list, verified: Verified, keep: int) -> None:
+        """Keep the first `keep` rows of the `verified` pass in `cache` and forget the rest. The pass must be
+        the last thing fed to `cache`."""
+        if not 0 <= keep <= verified.rows:
+            raise ValueError(f"cannot keep {keep} rows of a {verified.rows}-row verify pass")
+        if _offset(cache) != verified.offset:
+            raise RuntimeError("the cache moved since this verify pass: only the last pass fed to it can be rolled back")
+        n = verified.rows - keep
+        for i, seen in verified.recurrences.items():
+            if n > 0:
+                seen.rebuild(cache[i], keep)
+        if n > 0:
+            self.target._trim(cache, n)
+
+    def _features(self) -> mx.array | None:
+        """The recorded outputs of the drafter's layers, concatenated: [S, L, k*D]."""
+        target = self.target
+        if not target.layer_ids:
+            return None
+        outputs, self.outputs = self.outputs, {}
+        rows = []
+        for i in target.layer_ids:
+            h = outputs[i]
+            # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
+            if i == target.num_layers - 1 and target.final_norm is not None:
+                h = target.final_norm(h)
+            rows.append(h)
+        return mx.concatenate(rows, axis=-1)
+
+
+def _offset(cache: list) -> int:
+    """The KV caches' offset (-1 when the cache holds no KV layer)."""
+    return next((c.offset for c in cache if isinstance(c, _ROLLBACK_CACHES)), -1)
 
 
 class Target:
@@ -90,13 +171,10 @@ class Target:
         head = getattr(model, "lm_head", None)
         self.lm_head = head if head is not None else self.embed_tokens.as_linear
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
-        self._recorder = _Recorder()
-        self._capturing = False
         # layer index -> its GatedDeltaNet module, for hybrid targets
         self.recurrent = {
             i: module for i, layer in enumerate(self.layers) if (module := recurrent.recurrent_module(layer))
         }
-        self._recurrent_records: dict[int, recurrent.Recorder] = {}
 
     @property
     def model_type(self) -> str:
@@ -117,17 +195,11 @@ class Target:
             )
         return cache
 
-    def rollback(self, cache: list, n: int) -> None:
-        """Forget the last `n` tokens fed to the target (by the last recorded forward, for recurrent
-        layers)."""
-        for i, record in self._recurrent_records.items():
-            if n > 0:
-                record.rebuild(cache[i], record.rows - n)
-            record.recurrence = record.conv_input = None
-        if n <= 0:
-            return
-        for i, c in enumerate(cache):
-            if i in self._recurrent_records:
+    @staticmethod
+    def _trim(cache: list, n: int) -> None:
+        """Forget the last `n` tokens of every KV cache in `cache` (recurrent layers are `Capture`'s)."""
+        for c in cache:
+            if not isinstance(c, _ROLLBACK_CACHES):
                 continue
             if isinstance(c, RotatingKVCache) and c.offset >= c.max_size:
                 # Past its window the ring buffer refuses trim(); right after a multi-token update it
@@ -141,85 +213,61 @@ class Target:
 
     # -- forward -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def capturing(self) -> Iterator["Target"]:
-        """Record the drafter's feature layers, and what recurrent layers need for a rollback, during
-        forwards inside this block."""
-        if self._capturing or not (self.layer_ids or self.recurrent):
-            yield self
-            return
-        originals, restore = {}, []
+    def capture(self) -> Iterator[Capture]:
+        """Forwards that also give the drafter's features and can be rolled back, for one generation: the
+        few layers they need are re-classed (per instance) while the block is open, and restored on exit even
+        if generation raises. A model already being captured (by another generation) is refused."""
+        layers = [self.layers[i] for i in sorted(set(self.layer_ids))]
+        busy = [m for m in layers + list(self.recurrent.values()) if "_dflash_tap" in m.__dict__]
+        if busy:
+            raise RuntimeError(
+                "this model is already being captured by another speculative generation; run generations on "
+                "one model one after the other (or load a second copy of the model)"
+            )
+        tap, originals, restore = Capture(self), {}, []
         try:
             for i, module in self.recurrent.items():
-                self._recurrent_records[i] = recurrent.Recorder()
-                restore += recurrent.install(module, self._recurrent_records[i])
-            for i in set(self.layer_ids):
+                module.__dict__["_dflash_tap"] = (tap, i)
+                restore += recurrent.install(module, tap.recorders[i])
+            for i in sorted(set(self.layer_ids)):
                 layer = self.layers[i]
                 originals[i] = type(layer)
-                layer.__dict__["_dflash_tap"] = (self._recorder, i)
+                layer.__dict__["_dflash_tap"] = (tap, i)
                 layer.__class__ = _tapped_class(type(layer))
-            self._capturing = True
-            yield self
+            yield tap
         finally:
             for i, cls in originals.items():
                 self.layers[i].__class__ = cls
                 self.layers[i].__dict__.pop("_dflash_tap", None)
+            for module in self.recurrent.values():
+                module.__dict__.pop("_dflash_tap", None)
             recurrent.uninstall(restore)
-            self._recurrent_records.clear()
-            self._capturing = False
-            self._recorder.outputs.clear()
 
-    def __call__(self, tokens: mx.array, cache: list, record: bool = False) -> tuple[mx.array, mx.array | None]:
-        """Logits [L, V] and features [L, k*D] (None without layer ids) for `tokens` [L]. With `record`,
-        recurrent layers keep what `rollback` needs to undo any suffix of these tokens."""
-        if record and self.recurrent and not self._capturing:
-            raise RuntimeError("recurrent layers record only inside `with target.capturing():`")
-        for r in self._recurrent_records.values():
-            r.active = record
-        try:
-            logits = self.model(tokens[None], cache=cache)[0]
-        finally:
-            for r in self._recurrent_records.values():
-                r.active = False
-        if not self.layer_ids:
-            return logits, None
-        if not self._capturing:
-            raise RuntimeError("Target features are recorded only inside `with target.capturing():`")
-        return logits, self._features()[0]
-
-    def _features(self) -> mx.array:
-        """The recorded outputs of the drafter's layers, concatenated: [S, L, k*D]."""
-        outputs, self._recorder.outputs = self._recorder.outputs, {}
-        rows = []
-        for i in self.layer_ids:
-            h = outputs[i]
-            # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
-            if i == self.num_layers - 1 and self.final_norm is not None:
-                h = self.final_norm(h)
-            rows.append(h)
-        return mx.concatenate(rows, axis=-1)
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        """Logits [L, V] for `tokens` [L] (no features: those come from a `capture()`)."""
+        return self.model(tokens[None], cache=cache)[0]
 
     def sequence_features(self, tokens: mx.array) -> mx.array:
         """Features [S, L, k*D] of whole sequences [S, L] (no cache; right padding cannot leak into
         earlier rows of a causal model). For training."""
-        with self.capturing():
+        with self.capture() as tap:
             self.model(tokens)
-            return mx.stop_gradient(self._features())
+            return mx.stop_gradient(tap._features())
 
-    def prefill(
-        self, prompt: mx.array, cache: list, step_size: int = 2048
-    ) -> tuple[mx.array, mx.array | None]:
-        """Feed the prompt in chunks of `step_size`; returns the last logits row [V] and the features
-        of every prompt row [n, k*D] (None without layer ids)."""
+    def prefill(self, prompt: mx.array, cache: list, step_size: int = 2048) -> mx.array:
+        """Feed the prompt in chunks of `step_size`; returns the last logits row [V]. (`Capture.prefill`
+        also returns the features.)"""
+        return self._prefill(prompt, cache, step_size, lambda chunk: (self(chunk, cache), []))
+
+    @staticmethod
+    def _prefill(prompt: mx.array, cache: list, step_size: int, forward) -> mx.array:
         if step_size <= 0:
             raise ValueError(f"prefill step size must be positive, got {step_size}")
         if prompt.size == 0:
             raise ValueError("the prompt is empty: nothing to condition the target on")
-        features = []
         for start in range(0, prompt.size, step_size):
-            logits, feats = self(prompt[start : start + step_size], cache)
-            if feats is not None:
-                features.append(feats)
+            logits, kept = forward(prompt[start : start + step_size])
             if start + step_size < prompt.size:
-                mx.eval([c.state for c in cache], features)
+                mx.eval([c.state for c in cache], kept)
                 mx.clear_cache()
-        return logits[-1], (mx.concatenate(features) if features else None)
+        return logits[-1]

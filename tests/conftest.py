@@ -164,8 +164,8 @@ class OracleDrafter(DFlashDraftModel):
             self.history += [prev_anchor] + prev_drafts[: S - 1]
         else:
             assert S == len(self.history), "first context must be the whole prompt"
-        with self.mirror.capturing():
-            _, feats = self.mirror(mx.array(self.history), self.mirror.make_cache())
+        with self.mirror.capture() as tap:
+            _, feats = tap.forward(mx.array(self.history), self.mirror.make_cache())
         np.testing.assert_allclose(np.array(context[0]), np.array(feats[-S:]), atol=2e-4, rtol=1e-4)
         seq, proposal = self.history + [anchor], []
         cache = self.mirror.make_cache()

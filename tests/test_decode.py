@@ -199,3 +199,23 @@ def test_plain_steps_is_one_forward_per_token():
     finally:
         model.__class__ = Counting.__bases__[0]
     assert calls[0] == (1, 3) and all(s == (1, 1) for s in calls[1:])
+
+
+def test_interleaved_generations_on_one_model(tokenizer):
+    """A second speculative generation started on a model while another is mid-way is refused with a clear
+    error at its first step; the first goes on undisturbed and stays identical to plain decoding."""
+    model = make_target("qwen3", seed=2)
+    prompt = prompts(1, seed=5)[0]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=24, eos_token_ids=[])
+    first = stream_generate(model, tokenizer, prompt, make_oracle(model, prompt, block_size=4, spoil_seed=1),
+                            block_size=4, max_tokens=24, eos_token_ids=[])
+    second = stream_generate(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3),
+                             block_size=4, max_tokens=24, eos_token_ids=[])
+    tokens = list(next(first).tokens) + list(next(first).tokens)
+    with pytest.raises(RuntimeError, match="already being captured by another speculative generation"):
+        next(second)
+    tokens += [t for r in first for t in r.tokens]
+    assert tokens == plain
+    # the model is free again: a new generation runs and is still lossless
+    assert run(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3), block_size=4,
+               max_tokens=24, eos_token_ids=[])[0] == plain

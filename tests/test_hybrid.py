@@ -50,12 +50,11 @@ def test_states_after_rollback_equal_a_fresh_prefill(arch):
     rng = np.random.default_rng(0)
     history = [int(t) for t in rng.integers(6, 250, size=12)]
     cache = target.make_cache()
-    with target.capturing():
-        target.prefill(mx.array(history), cache)
+    with target.capture() as tap:
+        tap.prefill(mx.array(history), cache)
         for keep in (1, 8, 3, 5, 2, 8):  # 8 = everything accepted, nothing to undo
             block = [int(t) for t in rng.integers(6, 250, size=8)]
-            target(mx.array(block), cache, record=True)
-            target.rollback(cache, 8 - keep)
+            tap.rollback(cache, tap.verify(mx.array(block), cache), keep)
             history += block[:keep]
             fresh = target.make_cache()
             target.prefill(mx.array(history), fresh)
@@ -69,15 +68,14 @@ def test_recording_is_one_verify_pass(tokenizer):
     model = make_hybrid("qwen3_5")
     target = Target(model)
     cache = target.make_cache()
-    with target.capturing():
-        target.prefill(mx.array(list(range(10, 60))), cache)
-        records = list(target._recurrent_records.values())
-        assert all(r.recurrence is None for r in records)  # prefill is not recorded
-        target(mx.array([5, 6, 7, 8, 9]), cache, record=True)
-        q = records[0].recurrence[0][0]
-        assert q.shape[1] == 5 and records[0].conv_input.shape[1] == 5 + 3  # K - 1 = 3 previous rows
-        target.rollback(cache, 2)
-        assert records[0].recurrence is None  # released after the rollback
+    with target.capture() as tap:
+        tap.prefill(mx.array(list(range(10, 60))), cache)
+        assert all(r.recurrence is None for r in tap.recorders.values())  # prefill is not recorded
+        verified = tap.verify(mx.array([5, 6, 7, 8, 9]), cache)
+        seen = next(iter(verified.recurrences.values()))
+        assert seen.recurrence[0][0].shape[1] == 5 and seen.conv_input.shape[1] == 5 + 3  # K - 1 = 3 previous rows
+        assert all(r.recurrence is None for r in tap.recorders.values())  # the record left with the pass
+        tap.rollback(cache, verified, 3)
 
 
 def test_speculative_sampling_follows_a_hybrid_target(tokenizer):

@@ -30,8 +30,8 @@ def test_features_are_the_layer_outputs(arch):
     model = make_target(arch)
     target = Target(model, (0, 2, 3))
     tokens = mx.array([5, 9, 33, 2, 200, 17])
-    with target.capturing():
-        logits, feats = target(tokens, target.make_cache())
+    with target.capture() as tap:
+        logits, feats = tap.forward(tokens, target.make_cache())
     outs, final = manual_layer_outputs(model, tokens)
     # Hugging Face's hidden_states[i + 1] is layer i's output; the last one is taken after the final norm.
     expected = mx.concatenate([outs[0], outs[2], final], axis=-1)
@@ -39,10 +39,21 @@ def test_features_are_the_layer_outputs(arch):
     np.testing.assert_allclose(np.array(logits), np.array(model(tokens[None])[0]), atol=1e-4)
 
 
-def test_features_need_the_capture_block():
-    target = Target(make_target("qwen3"), (1,))
-    with pytest.raises(RuntimeError, match="capturing"):
-        target(mx.array([1, 2]), target.make_cache())
+def test_a_model_is_captured_by_one_generation_at_a_time():
+    """A second capture of the same model (another Target on it) is refused while the first is open; the
+    first keeps working, and the model can be captured again once it closes."""
+    model = make_target("qwen3")
+    first, second = Target(model, (1, 3)), Target(model, (1,))
+    tokens = mx.array([5, 9, 33, 2])
+    with first.capture() as tap:
+        with pytest.raises(RuntimeError, match="already being captured"):
+            with second.capture():
+                pass
+        _, feats = tap.forward(tokens, first.make_cache())
+    outs, final = manual_layer_outputs(model, tokens)
+    np.testing.assert_allclose(np.array(feats), np.array(mx.concatenate([outs[1], final], -1)), atol=1e-4)
+    with second.capture() as tap:
+        assert tap.forward(tokens, second.make_cache())[1].shape == (4, 64)
 
 
 def test_capture_restores_the_model_even_on_error():
@@ -51,7 +62,7 @@ def test_capture_restores_the_model_even_on_error():
     before = [type(layer) for layer in model.layers]
     keys_before = sorted(k for k, _ in model.parameters().items())
     with pytest.raises(KeyError):
-        with target.capturing():
+        with target.capture():
             assert type(model.layers[0]) is not before[0]
             assert isinstance(model.layers[0], before[0])  # a subclass: attributes unchanged
             raise KeyError("boom")
@@ -67,9 +78,11 @@ def test_chunked_prefill_equals_one_pass(arch, step):
     model = make_target(arch)
     target = Target(model, (1, 2))
     prompt = mx.array(list(range(10, 31)))
-    with target.capturing():
-        ref_logits, ref_feats = target.prefill(prompt, target.make_cache(), step_size=4096)
-        logits, feats = target.prefill(prompt, target.make_cache(), step_size=step)
+    with target.capture() as tap:
+        ref_logits, ref_feats = tap.prefill(prompt, target.make_cache(), step_size=4096)
+        logits, feats = tap.prefill(prompt, target.make_cache(), step_size=step)
+    np.testing.assert_allclose(np.array(target.prefill(prompt, target.make_cache(), step)), np.array(ref_logits),
+                               atol=1e-4, rtol=1e-4)
     assert feats.shape == (21, 2 * 64)
     np.testing.assert_allclose(np.array(feats), np.array(ref_feats), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.array(logits), np.array(ref_logits), atol=1e-4, rtol=1e-4)
@@ -85,20 +98,36 @@ def test_rollback_equals_fresh_prefill(arch):
     history = [int(t) for t in rng.integers(6, 250, size=20)]
     cache = target.make_cache()
     target.prefill(mx.array(history), cache)
-    for cycle in range(12):
-        block = [int(t) for t in rng.integers(6, 250, size=8)]
-        target(mx.array(block), cache)
-        keep = int(rng.integers(1, 9))
-        target.rollback(cache, 8 - keep)
-        history += block[:keep]
-        probe = int(rng.integers(6, 250))
-        fresh = target.make_cache()
-        target.prefill(mx.array(history), fresh)
-        expected, _ = target(mx.array([probe]), fresh)
-        got, _ = target(mx.array([probe]), cache)
-        target.rollback(cache, 1)
-        np.testing.assert_allclose(np.array(got), np.array(expected), atol=2e-4, rtol=1e-4)
+    with target.capture() as tap:
+        for cycle in range(12):
+            block = [int(t) for t in rng.integers(6, 250, size=8)]
+            keep = int(rng.integers(1, 9))
+            tap.rollback(cache, tap.verify(mx.array(block), cache), keep)
+            history += block[:keep]
+            probe = int(rng.integers(6, 250))
+            fresh = target.make_cache()
+            target.prefill(mx.array(history), fresh)
+            expected = target(mx.array([probe]), fresh)
+            probed = tap.verify(mx.array([probe]), cache)
+            tap.rollback(cache, probed, 0)
+            np.testing.assert_allclose(np.array(probed.logits), np.array(expected), atol=2e-4, rtol=1e-4)
     assert all(c.offset == len(history) for c in cache)
+
+
+def test_rollback_takes_only_the_last_pass():
+    """A rollback undoes the verify pass it is given, and refuses one that other tokens followed."""
+    target = Target(make_target("llama"))
+    cache = target.make_cache()
+    target.prefill(mx.array([3, 4, 5]), cache)
+    with target.capture() as tap:
+        older = tap.verify(mx.array([6, 7]), cache)
+        newer = tap.verify(mx.array([8, 9, 10]), cache)
+        with pytest.raises(RuntimeError, match="cache moved"):
+            tap.rollback(cache, older, 1)
+        with pytest.raises(ValueError, match="cannot keep 4 rows"):
+            tap.rollback(cache, newer, 4)
+        tap.rollback(cache, newer, 1)
+    assert [c.offset for c in cache] == [6] * len(cache)
 
 
 def test_unrollable_cache_is_named():
