@@ -20,7 +20,7 @@ import mlx.core as mx
 @dataclass
 class Method:
     name: str
-    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash"
+    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive"
     drafter: object = None
     block_size: int | None = None
     walk: str = "greedy"
@@ -35,6 +35,7 @@ class Run:
     ttft_s: float
     peak_memory_gb: float
     accepted: list[int] = field(default_factory=list)
+    plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
 
 
 def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
@@ -55,15 +56,16 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             from_draft.append(last.from_draft)
         return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
                    len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
-    tokens, accepted, last = [], [], None
-    mode = "off" if method.kind == "plain" else "dflash"
+    tokens, accepted, plain_tokens, last = [], [], 0, None
+    mode = "off" if method.kind == "plain" else method.kind
     for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
                                 block_size=method.block_size, verify_mode=mode, walk=method.walk):
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
+        plain_tokens += len(last.tokens) if last.block_size == 1 else 0
     return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-               len(prompt) / last.prompt_tps, last.peak_memory, accepted)
+               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens)
 
 
 def accepted_per_cycle(from_draft: list[bool]) -> list[int]:
@@ -108,19 +110,37 @@ def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | Non
         "kind": method.kind,
         "drafter": method.drafter_label,
         "block_size": method.block_size,
-        "walk": method.walk if method.kind == "dflash" else None,
+        "walk": method.walk if method.kind in ("dflash", "adaptive") else None,
         "generation_tps_median": median,
         "generation_tps_min": min(per_trial_tps),
         "generation_tps_max": max(per_trial_tps),
         "speedup": median / baseline_tps if baseline_tps else None,
         "tau": (sum(accepted) + cycles) / cycles if cycles else None,
         "cycles": cycles,
+        "plain_share": (sum(r.plain_tokens for runs in trials for r in runs)
+                        / max(1, sum(len(r.tokens) for runs in trials for r in runs))) if method.kind == "adaptive" else None,
         "acceptance_by_position": acceptance_by_position(accepted, method.block_size) if cycles else [],
         "prompt_tps_median": statistics.median(r.prompt_tps for runs in trials for r in runs),
         "ttft_s_median": statistics.median(r.ttft_s for runs in trials for r in runs),
         "peak_memory_gb": max(r.peak_memory_gb for runs in trials for r in runs),
         "token_sha256": token_hash(trials[0]),
     }
+
+
+def cost_curves(model, methods: list[Method]) -> list[dict]:
+    """The measured cost model behind each adaptive row: the physical limit of drafting on this machine."""
+    from dflash2_mlx.adaptive import load_or_measure_costs
+    from dflash2_mlx.loading import bind_drafter
+
+    curves = []
+    for m in methods:
+        if m.kind == "adaptive":
+            costs = load_or_measure_costs(bind_drafter(m.drafter, model), m.drafter, m.block_size)
+            step = costs.verify_s[0]
+            curves.append({"drafter": m.drafter_label, "step_s": step,
+                           "verify_steps": [s / step for s in costs.verify_s],
+                           "draft_steps": [s / step for s in costs.draft_s]})
+    return curves
 
 
 def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repeats: int = 5) -> float | None:
@@ -186,7 +206,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)
-    return {"results": results, "sample_output": sample, "errors": [
+    return {"results": results, "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
         f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
         if r["lossless"] is False
     ]}
@@ -224,7 +244,7 @@ def render(report: dict, console=None) -> str:
             f"BLAS {ctx['runtime']['blas']}, kernels {ctx['runtime']['kernels']}, {ctx['dtype']} | "
             f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
     console.print(f"[bold]dflash2 bench[/] {head}")
-    columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "prompt tok/s", "TTFT s", "peak GB",
+    columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
                "draft %", "lossless", "accepted by position"]
     table = Table(*columns)
     md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -234,14 +254,15 @@ def render(report: dict, console=None) -> str:
             f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
             f"{r['speedup']:.2f}x" if r["speedup"] else "-",
             f"{r['tau']:.2f}" if r["tau"] else "-",
+            f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
             f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
             f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
             {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
             _sparkline(r["acceptance_by_position"]),
         ]
         md.append("| " + " | ".join(row) + " |")
-        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[10])
-        table.add_row(*row[:10], f"[{style}]{row[10]}[/]" if style else row[10], row[11])
+        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[11])
+        table.add_row(*row[:11], f"[{style}]{row[11]}[/]" if style else row[11], row[12])
     console.print(table)
     top = max((r["speedup"] or 0) for r in report["results"]) or 1
     console.print("[bold]speedup over mlx-lm[/] (same run)")
@@ -254,6 +275,13 @@ def render(report: dict, console=None) -> str:
             profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
             md.append(f"\n{r['method']} T={r['temperature']:g} accepted by position 1..{len(r['acceptance_by_position'])}: "
                       f"{profile}")
+    for c in report.get("costs", []):
+        line = (f"cost curve with {c['drafter']} (target forward over n tokens / one plain step, n = 1..): "
+                + " ".join(f"{x:.2f}" for x in c["verify_steps"])
+                + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
+                f"{1000 * c['step_s']:.0f} ms")
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     sample = report.get("sample_output")
     if sample:
         text = " ".join(sample["text"].split())
@@ -270,6 +298,7 @@ def render(report: dict, console=None) -> str:
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool) -> list[Method]:
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
+        methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
         sizes = block_sizes or [None]
         for B in sizes:
             if B is not None and B > drafter.config.block_size:

@@ -11,6 +11,8 @@ KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal e
 
 
 def _generate_parser(sub) -> None:
+    from dflash2_mlx.generate import VERIFY_MODES
+
     p = sub.add_parser(
         "generate",
         help="generate text with DFlash speculative decoding (or plain decoding of the same target)",
@@ -30,12 +32,14 @@ def _generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None,
-        help="runtime block size (draft + verify tokens per cycle); default: the drafter's, "
-        "capped at 5 for DFlash 2 as oMLX does",
+        help="runtime block size (draft + verify tokens per cycle); dflash mode: default the drafter's, "
+        "capped at 5 for DFlash 2 as oMLX does; adaptive mode: the largest it may pick (default the drafter's)",
     )
     p.add_argument(
-        "--verify-mode", choices=["dflash", "off"], default=None,
-        help="'off' = plain decoding of the same target through the same loader (the baseline); default dflash",
+        "--verify-mode", choices=VERIFY_MODES, default=None,
+        help="adaptive (default, as oMLX): each cycle's block size, or plain steps, picked from this machine's "
+        "measured costs and the acceptance so far, never slower than plain decoding by design; dflash: every "
+        "cycle at --block-size; off: plain decoding of the same target through the same loader (the baseline)",
     )
     p.add_argument(
         "--path", choices=["greedy", "viterbi"], default="greedy",
@@ -89,12 +93,12 @@ def _run_generate(args) -> int:
 
     set_kernels(args.kernels)
     _apply_omlx_settings(args)
-    args.verify_mode = args.verify_mode or "dflash"
-    if args.verify_mode == "dflash" and not args.draft_model:
+    args.verify_mode = args.verify_mode or "adaptive"
+    if args.verify_mode != "off" and not args.draft_model:
         if args.model:
             raise ValueError(
-                f"--verify-mode dflash needs --draft-model for {args.model} (drafters are bundled only for the "
-                "default target); use --verify-mode off for plain decoding"
+                f"--verify-mode {args.verify_mode} needs --draft-model for {args.model} (drafters are bundled only "
+                "for the default target); use --verify-mode off for plain decoding"
             )
         from dflash2_mlx.assets import default_drafter
 
@@ -102,7 +106,7 @@ def _run_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model, tokenizer, drafter = load(
         args.model,
-        args.draft_model if args.verify_mode == "dflash" else None,
+        args.draft_model if args.verify_mode != "off" else None,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         draft_quant=args.draft_quant,
@@ -407,13 +411,16 @@ def _run_info(args) -> int:
 
 
 def _summary(r) -> str:
-    mode = f"dflash B={r.block_size}" if r.verify_mode == "dflash" else "plain"
+    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}"}.get(r.verify_mode, "plain")
     parts = [
         f"[{mode}] {r.generation_tokens} tokens at {r.generation_tps:.1f} tok/s",
         f"prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s",
     ]
-    if r.verify_mode == "dflash":
+    if r.verify_mode != "off":
         parts.append(f"tau {r.tau:.2f} over {r.cycles} cycles" if r.cycles else "no cycles")
+    if r.verify_mode == "adaptive":
+        histogram = " ".join(f"B{b}:{n}" for b, n in r.block_sizes.items()) or "none"
+        parts.append(f"blocks {histogram}, {r.plain_tokens} tokens by plain steps")
     if r.draft_failures:
         parts.append(f"{r.draft_failures} cycles fell back to plain decoding (non-finite draft logits)")
     parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]

@@ -7,19 +7,22 @@ drafting tokens that could never be committed.
 
 from __future__ import annotations
 
+import time
 from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 
+from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams, accept_greedy, accept_sampled, sample
-from .target import Target
+from .target import Capture, Target
 
 
 class Step(NamedTuple):
     tokens: list[int]  # committed by this step
     accepted: int | None = None  # drafts accepted; None for the prefill token and plain decoding
     draft_failed: bool = False  # the drafter gave non-finite logits: this cycle was a plain step
+    block_size: int | None = None  # the cycle's block size; 1 for a plain step of a speculative generation
 
 
 def plain_steps(
@@ -42,33 +45,44 @@ def dflash_steps(
     drafter: DFlashDraftModel,
     prompt: mx.array,
     params: SamplingParams,
-    block_size: int,
+    blocks: FixedBlocks | AdaptiveBlocks,
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
     walk: str = "greedy",
 ) -> Iterator[Step]:
+    """`blocks` picks each cycle's block size: B >= 2 drafts B-1 tokens, B = 1 runs plain steps."""
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     mask_id = drafter.config.mask_token_id
     with target.capture() as tap:
         logits, context = tap.prefill(prompt, cache, prefill_step_size)
         anchor = sample(logits, params)
         yield Step([anchor.item()])
-        produced = 1
+        produced, tic = 1, time.perf_counter()
         while True:
-            B = block_size if max_tokens is None else max(2, min(block_size, max_tokens - produced + 1))
+            B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
+            if B == 1:
+                run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
+                rows = [context]
+                for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append)):
+                    yield step
+                    tic = tic if i else time.perf_counter()  # steady pipelined steps are timed from here
+                context, produced = mx.concatenate(rows), produced + run
+                if run > 1:
+                    blocks.observe_plain(run - 1, time.perf_counter() - tic)
+                tic = time.perf_counter()
+                continue
             # Draft: one drafter pass proposes B-1 tokens from [anchor, mask * (B-1)].
             block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])
             drafts, draft_probs, finite = drafter.propose(block[None], context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), drafts]), cache)
-            verify_logits = verified.logits
             if params.greedy:
-                accepted, bonus = accept_greedy(drafts, verify_logits)
+                accepted, bonus = accept_greedy(drafts, verified.logits)
             else:
-                accepted, bonus = accept_sampled(drafts, draft_probs, verify_logits, params)
+                accepted, bonus = accept_sampled(drafts, draft_probs, verified.logits, params)
             # Non-finite draft logits (e.g. an fp16 drafter overflowing): commit one plain-decoding token.
             accepted = mx.where(finite, accepted, 0)
-            bonus = mx.where(finite, bonus, sample(verify_logits[0], params))
+            bonus = mx.where(finite, bonus, sample(verified.logits[0], params))
             # The only device -> host transfer of the cycle.
             head = mx.stack([accepted, bonus.astype(accepted.dtype), finite.astype(accepted.dtype)])
             result = mx.concatenate([head, drafts.astype(accepted.dtype)]).tolist()
@@ -77,4 +91,21 @@ def dflash_steps(
             context = verified.features[: a + 1]  # features of the anchor and the accepted drafts only
             anchor = mx.array(bonus_id, dtype=anchor.dtype)
             produced += a + 1
-            yield Step(result[3 : 3 + a] + [bonus_id], a, not result[2])
+            blocks.observe_cycle(B, a, time.perf_counter() - tic)
+            yield Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B)
+            tic = time.perf_counter()
+
+
+def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):
+    """n plain steps inside a speculative generation, pipelined as `plain_steps` is: yields (step, the next
+    anchor) and hands each fed token's features to `keep_features`, for the drafter's next context."""
+    token = anchor
+    for i in range(n + 1):
+        if i < n:  # the next step is scheduled before this one's token is read
+            logits, features = tap.forward(token.reshape(1), cache)
+            keep_features(features)
+            next_token = sample(logits[-1], params)
+            mx.async_eval(next_token, features)
+        if i > 0:
+            yield Step([token.item()], block_size=1), token
+        token = next_token

@@ -3,8 +3,9 @@ decode step (a DFlash cycle commits several tokens at once); `generate` runs it 
 
 from __future__ import annotations
 
-import sys
 import time
+import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
@@ -13,13 +14,14 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import AdaptiveBlocks, FixedBlocks, load_or_measure_costs
 from .decode import dflash_steps, plain_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
 from .sampling import SamplingParams
 from .target import Target
 
-VERIFY_MODES = ("dflash", "off")
+VERIFY_MODES = ("adaptive", "dflash", "off")
 
 
 @dataclass
@@ -33,8 +35,9 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens) or None
-    verify_mode: str = "dflash"  # what actually ran: "off" also when the prompt exceeded max_context
+    verify_mode: str = "adaptive"  # what actually ran: "off" also when the prompt exceeded max_context
     draft_failed: bool = False  # non-finite draft logits: this cycle committed one plain-decoding token
+    block_size: int | None = None  # this cycle's block size; 1 for a plain step chosen by adaptive mode
 
 
 @dataclass
@@ -49,8 +52,10 @@ class GenerationResult:
     peak_memory_gb: float
     finish_reason: str | None
     verify_mode: str
-    block_size: int | None
+    block_size: int | None  # dflash: the block size; adaptive: the largest it may choose
     draft_failures: int = 0  # cycles whose draft logits were non-finite (each fell back to a plain step)
+    block_sizes: dict[int, int] = field(default_factory=dict)  # drafting cycles per block size
+    plain_tokens: int = 0  # tokens from plain steps that adaptive mode chose over drafting
     cycles: int = field(init=False)
     tau: float | None = field(init=False)  # mean tokens committed per cycle, bonus included
 
@@ -70,20 +75,34 @@ def _encode(tokenizer, prompt: str | Sequence[int] | mx.array) -> mx.array:
 
 
 DFLASH2_DEFAULT_BLOCK_CAP = 5
+# Adaptive mode's probe cycles (a drafter not worth drafting with is tried again between plain stretches)
+# draft 2 tokens: what a probe costs matters more than how deep it looks.
+ADAPTIVE_PROBE_BLOCK = 3
 
 
-def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None) -> int:
+def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify_mode: str = "dflash") -> int:
     """oMLX's "Runtime Block Size": at most the checkpoint's, at least 2 (anchor + one draft). Left
-    unset, DFlash 2 drafters run at min(5, trained) as oMLX's MLX engine does; v1 at the trained size."""
+    unset, DFlash 2 drafters run at min(5, trained) as oMLX's MLX engine does, v1 at the trained size, and
+    adaptive mode may go up to the trained size."""
     trained = drafter.config.block_size
     if block_size is None:
-        return min(DFLASH2_DEFAULT_BLOCK_CAP, trained) if drafter.config.is_dflash2 else trained
+        if verify_mode == "adaptive" or not drafter.config.is_dflash2:
+            return trained
+        return min(DFLASH2_DEFAULT_BLOCK_CAP, trained)
     if not 2 <= block_size <= trained:
         raise ValueError(
             f"block size {block_size} is outside 2..{trained}: a runtime block size can only lower "
             f"the drafter's trained block size ({trained})"
         )
     return block_size
+
+
+def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str):
+    """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive)."""
+    if verify_mode == "dflash":
+        return FixedBlocks(block_size)
+    costs = load_or_measure_costs(target, drafter, block_size)
+    return AdaptiveBlocks(costs, block_size, probe_block=min(ADAPTIVE_PROBE_BLOCK, block_size))
 
 
 def stream_generate(
@@ -98,14 +117,16 @@ def stream_generate(
     top_k: int = 0,
     seed: int | None = None,
     block_size: int | None = None,
-    verify_mode: str = "dflash",
+    verify_mode: str = "adaptive",
     walk: str = "greedy",
     max_context: int | None = None,
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
 ) -> Iterator[GenerationResponse]:
-    """Generate from `model` (an mlx-lm model), speculatively with `drafter` when verify_mode is
-    "dflash", or by plain decoding of the same target when it is "off".
+    """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
+    same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
+    default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
+    this machine's measured costs and the acceptance seen so far, plain steps included.
 
     walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
@@ -113,8 +134,8 @@ def stream_generate(
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
-    if verify_mode == "dflash" and drafter is None:
-        raise ValueError("verify mode 'dflash' needs a drafter (--draft-model); use 'off' for plain decoding")
+    if verify_mode != "off" and drafter is None:
+        raise ValueError(f"verify mode {verify_mode!r} needs a drafter (--draft-model); use 'off' for plain decoding")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -127,15 +148,15 @@ def stream_generate(
     if max_context is not None and prompt.size >= max_context:
         verify_mode = "off"
 
-    target = bind_drafter(drafter, model) if verify_mode == "dflash" else Target(model)
+    target = bind_drafter(drafter, model) if verify_mode != "off" else Target(model)
     if prompt.size and int(prompt.max()) >= target.vocab_size:
         raise ValueError(
             f"prompt token id {int(prompt.max())} is outside the target's vocabulary "
             f"({target.vocab_size}): was it encoded with another model's tokenizer?"
         )
-    if verify_mode == "dflash":
-        block_size = resolve_block_size(drafter, block_size)
-        steps = dflash_steps(target, drafter, prompt, params, block_size, max_tokens, prefill_step_size, walk)
+    if verify_mode != "off":
+        blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
+        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk)
     else:
         steps = plain_steps(target, prompt, params, prefill_step_size)
 
@@ -145,7 +166,7 @@ def stream_generate(
     tic = time.perf_counter()
     try:
         with wired_limit(model, [generation_stream]):
-            for i, (tokens, accepted, draft_failed) in enumerate(steps):
+            for i, (tokens, accepted, draft_failed, step_block) in enumerate(steps):
                 if i == 0:
                     prompt_tps = prompt.size / (time.perf_counter() - tic)
                     tic = time.perf_counter()
@@ -172,6 +193,7 @@ def stream_generate(
                     finish_reason=finish,
                     verify_mode=verify_mode,
                     draft_failed=draft_failed,
+                    block_size=step_block,
                 )
                 if finish:
                     return
@@ -189,23 +211,28 @@ def generate(
 ) -> GenerationResult:
     """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
     text, tokens, accepted, failures, last = "", [], [], 0, None
+    block_sizes, plain_tokens = Counter(), 0
     for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
         text += last.text
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
+            block_sizes[last.block_size] += 1
+        if last.block_size == 1:
+            plain_tokens += len(last.tokens)
         if last.draft_failed and not failures:
-            print(
-                "[dflash2] the drafter produced non-finite logits (NaN/inf); such cycles fall back to "
-                "plain decoding. Run the drafter in bfloat16 or float32.",
-                file=sys.stderr,
+            warnings.warn(
+                "the drafter produced non-finite logits (NaN/inf); such cycles fall back to plain decoding. "
+                "Run the drafter in bfloat16 or float32.",
+                RuntimeWarning,
+                stacklevel=2,
             )
         failures += last.draft_failed
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
-    dflash = last.verify_mode == "dflash"
+    speculative = last.verify_mode != "off"
     return GenerationResult(
         text=text,
         tokens=tokens,
@@ -217,6 +244,8 @@ def generate(
         peak_memory_gb=last.peak_memory,
         finish_reason=last.finish_reason,
         verify_mode=last.verify_mode,
-        block_size=resolve_block_size(drafter, kwargs.get("block_size")) if dflash else None,
+        block_size=resolve_block_size(drafter, kwargs.get("block_size"), last.verify_mode) if speculative else None,
         draft_failures=failures,
+        block_sizes=dict(sorted(block_sizes.items())),
+        plain_tokens=plain_tokens,
     )

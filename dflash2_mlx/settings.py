@@ -16,7 +16,7 @@ _NOT_SUPPORTED = ("dflash_draft_window_size", "dflash_draft_sink_size")
 
 @dataclass
 class RuntimeSettings:
-    verify_mode: str = "dflash"
+    verify_mode: str = "adaptive"
     draft_model: str | None = None
     draft_quant: DraftQuant | None = None
     block_size: int | None = None  # None: the drafter's default (DFlash 2: min(5, trained))
@@ -47,11 +47,8 @@ def from_omlx(path: str | Path, model_id: str) -> RuntimeSettings:
     mode = entry.get("dflash_verify_mode") or "adaptive"  # oMLX's default
     if not entry.get("dflash_enabled", False):
         mode = "off"
-    elif mode == "adaptive":
-        settings.notes.append("verify mode 'adaptive' runs as 'dflash' here")
-        mode = "dflash"
-    elif mode not in ("dflash", "off"):
-        raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'dflash' or 'off'")
+    elif mode not in ("adaptive", "dflash", "off"):
+        raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash' or 'off'")
     settings.verify_mode = mode
     if entry.get("dflash_draft_quant_enabled"):
         settings.draft_quant = DraftQuant(

@@ -14,6 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
+from dflash2_mlx.adaptive import MEASURE_CONTEXT_TOKENS
 from dflash2_mlx.config import DraftConfig
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.target import Target
@@ -30,6 +31,8 @@ def pytest_configure(config):
     restart_with_openblas(["-m", "pytest", *config.invocation_params.args],
                           before_exec=capture.stop_global_capturing if capture else None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
+    # adaptive mode's measured costs go to a file of this run's, never to the user's cache
+    os.environ["DFLASH2_COSTS"] = str(Path(config.rootpath) / ".pytest_cache" / f"costs-{os.getpid()}.json")
 
 
 TARGET_CONFIGS = {
@@ -147,8 +150,10 @@ class OracleDrafter(DFlashDraftModel):
     that the context it is given is exactly the target features of the rows committed since the last
     call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping."""
 
-    def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None):
+    def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None,
+                 right_for: int | None = None):
         super().__init__(config)
+        self.prompt_len, self.right_for = len(prompt), right_for
         self.mirror = Target(copy_model(model), config.target_layer_ids)
         self.history = [int(t) for t in prompt]
         self.pending = None
@@ -159,32 +164,47 @@ class OracleDrafter(DFlashDraftModel):
     def draft_rows(self, block, context, cache):
         anchor, B, S = int(block[0, 0].item()), block.shape[1], context.shape[1]
         if self.pending is not None:
-            prev_anchor, prev_drafts = self.pending
-            assert 1 <= S <= len(prev_drafts) + 1, f"context grew by {S} rows after {len(prev_drafts)} drafts"
-            self.history += [prev_anchor] + prev_drafts[: S - 1]
-        else:
-            assert S == len(self.history), "first context must be the whole prompt"
+            # Committed since the last call (T = 0): the target's own greedy continuation after the last anchor,
+            # accepted drafts, bonus and any plain steps alike. The features check below proves it.
+            prev_anchor, greedy = self.pending
+            history = self.history + [prev_anchor]
+            history += self.greedy(history, S - 1) if S - 1 > len(greedy) else greedy[: S - 1]
+        else:  # the first call: the prompt and the plain steps taken before it, if any
+            history = self.history + self.greedy(self.history, S - len(self.history)) if S >= len(self.history) else []
         with self.mirror.capture() as tap:
-            _, feats = tap.forward(mx.array(self.history), self.mirror.make_cache())
-        np.testing.assert_allclose(np.array(context[0]), np.array(feats[-S:]), atol=2e-4, rtol=1e-4)
-        seq, proposal = self.history + [anchor], []
-        cache = self.mirror.make_cache()
-        logits = self.mirror.model(mx.array(seq)[None], cache=cache)[0, -1]
-        for _ in range(B - 1):
-            proposal.append(int(mx.argmax(logits).item()))
-            logits = self.mirror.model(mx.array([[proposal[-1]]]), cache=cache)[0, -1]
+            feats = tap.forward(mx.array(history), self.mirror.make_cache())[1] if history else None
+        matches = feats is not None and np.allclose(np.array(context[0]), np.array(feats[-S:]), atol=2e-4, rtol=1e-4)
+        if not matches and self.pending is None and S == MEASURE_CONTEXT_TOKENS:
+            # adaptive mode timing the drafter before the generation, on a context of its own: any drafts do
+            return mx.zeros((B - 1, self.config.hidden_size)), mx.zeros((B - 1, self.vocab))
+        assert matches, "the context the loop passed is not the features of the committed tokens"
+        self.history = history
+        greedy = proposal = self.greedy(self.history + [anchor], B - 1)
+        cut = None
         if self.rng is not None:
             cut = self.rng.randint(0, B - 1)
+        if self.right_for is not None and len(self.history) - self.prompt_len >= self.right_for:
+            cut = 0  # its acceptance collapses: every draft wrong from here on
+        if cut is not None:
             proposal = proposal[:cut] + [(t + 1) % self.vocab for t in proposal[cut:]]
-        self.pending = (anchor, proposal)
+        self.pending = (anchor, greedy)
         self.calls += 1
         return mx.zeros((B - 1, self.config.hidden_size)), mx.eye(self.vocab)[mx.array(proposal)] * 30.0
 
+    def greedy(self, seq: list[int], n: int) -> list[int]:
+        """The mirror target's greedy continuation of `seq`, n tokens."""
+        cache, out = self.mirror.make_cache(), []
+        logits = self.mirror.model(mx.array(seq)[None], cache=cache)[0, -1]
+        for _ in range(n):
+            out.append(int(mx.argmax(logits).item()))
+            logits = self.mirror.model(mx.array([[out[-1]]]), cache=cache)[0, -1]
+        return out
 
-def make_oracle(model, prompt, block_size=16, spoil_seed=None) -> OracleDrafter:
+
+def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None) -> OracleDrafter:
     from dflash2_mlx.loading import bind_drafter
 
-    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed)
+    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for)
     bind_drafter(oracle, model)
     return oracle
 

@@ -45,7 +45,7 @@ def test_bundled_drafter_is_lossless_and_accepts(smollm2, chat_prompts, arch):
     taus = []
     for prompt in chat_prompts:  # held-out ShareGPT prompts: never trained on
         plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=48)
-        spec = generate(model, tokenizer, prompt, drafter, block_size=8, max_tokens=48)
+        spec = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=8, max_tokens=48)
         assert spec.tokens == plain.tokens
         taus.append(spec.tau)
     assert sum(taus) / len(taus) > 1.15, taus  # a random drafter gets 1.0 (this one: see its card)
@@ -58,5 +58,5 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
 
     assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert result["verify_mode"] == "dflash" and result["block_size"] == 5  # DFlash 2's default cap
+    assert result["verify_mode"] == "adaptive" and result["block_size"] == 8  # up to the trained size
     assert result["generation_tokens"] >= 1 and result["tau"] >= 1

@@ -29,7 +29,7 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
     target, drafter = tiny_pair
     common = ("--model", target, "--prompt", "w1 w2 w3", "--max-tokens", 21, "--json")
-    code, out, _ = run_cli(capsys, *common, "--draft-model", drafter, "--block-size", 5)
+    code, out, _ = run_cli(capsys, *common, "--draft-model", drafter, "--block-size", 5, "--verify-mode", "dflash")
     assert code == 0
     spec = json.loads(out)
     assert JSON_FIELDS <= spec.keys()
@@ -43,6 +43,11 @@ def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
     assert plain["verify_mode"] == "off" and plain["cycles"] == 0 and plain["tau"] is None
     code, out, _ = run_cli(capsys, *common, "--verify-mode", "off", "--ignore-chat-template")
     assert json.loads(out)["prompt_tokens"] == 3
+    code, out, _ = run_cli(capsys, *common, "--draft-model", drafter)  # the default: adaptive, up to the trained 8
+    adaptive = json.loads(out)
+    assert adaptive["verify_mode"] == "adaptive" and adaptive["block_size"] == 8
+    assert adaptive["tokens"] == plain["tokens"]
+    assert adaptive["plain_tokens"] + sum(adaptive["accepted"]) + adaptive["cycles"] + 1 >= 21
 
 
 def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
@@ -52,14 +57,14 @@ def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
     assert code == 0
     words = len(out.split())  # one word per token; EOS is not rendered
     assert 1 <= words <= 10
-    assert f"[dflash B=8] {words + (words < 10)} tokens at" in err, err
-    assert "tau" in err and ("finish: length" if words == 10 else "finish: stop") in err
+    assert f"[adaptive B<=8] {words + (words < 10)} tokens at" in err, err
+    assert "tokens by plain steps" in err and "tau" in err and ("finish: length" if words == 10 else "finish: stop") in err
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--prompt", "x"), "--verify-mode dflash needs --draft-model"),
+        (("--prompt", "x"), "--verify-mode adaptive needs --draft-model"),
         (("--draft-model", "/no/such/drafter"), "'/no/such/drafter' is neither an existing path"),
         (("--draft-model", "{drafter}", "--block-size", "12"), "block size 12 is outside 2..8"),
         (("--draft-model", "{drafter}", "--top-p", "2"), "top_p must be in (0, 1]"),
@@ -118,7 +123,7 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
         check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
     )
     out = json.loads(result.stdout)
-    assert out["generation_tokens"] == 9 and out["verify_mode"] == "dflash"
+    assert out["generation_tokens"] == 9 and out["verify_mode"] == "adaptive"
     if Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0").exists():  # installed by apps/install.sh
         assert out["runtime"]["blas"] == "openblas"  # the command restarted itself with it preloaded
 
@@ -133,8 +138,10 @@ def test_dflash2_flags(tiny_pair, tiny_dflash2, capsys):
         r = json.loads(out)
         assert code == 0 and r["tokens"] == plain, extra
     assert r["block_size"] == 16
-    code, out, _ = run_cli(capsys, *common, "--draft-model", tiny_dflash2)
+    code, out, _ = run_cli(capsys, *common, "--draft-model", tiny_dflash2, "--verify-mode", "dflash")
     assert json.loads(out)["block_size"] == 5  # DFlash 2's default cap, as oMLX
+    code, out, _ = run_cli(capsys, *common, "--draft-model", tiny_dflash2)
+    assert json.loads(out)["block_size"] == 16  # adaptive mode may use the trained size
 
 
 def test_omlx_settings_drive_the_run(tiny_pair, tiny_dflash2, tmp_path, capsys):
@@ -148,8 +155,9 @@ def test_omlx_settings_drive_the_run(tiny_pair, tiny_dflash2, tmp_path, capsys):
     code, out, err = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
                              "--prompt", "w3", "--max-tokens", 6, "--json")
     r = json.loads(out)
-    assert code == 0 and r["verify_mode"] == "dflash" and r["block_size"] == 3 and r["draft_quant"] == "w8a32:gs32"
-    assert "verify mode 'adaptive' runs as 'dflash' here" in err
+    # no dflash_verify_mode: oMLX's default, adaptive, which runs as adaptive here
+    assert code == 0 and r["verify_mode"] == "adaptive" and r["block_size"] == 3 and r["draft_quant"] == "w8a32:gs32"
+    assert "oMLX settings" not in err
     code, out, _ = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
                            "--prompt", "w3", "--max-tokens", 6, "--json", "--block-size", 2)
     assert json.loads(out)["block_size"] == 2  # the command line wins

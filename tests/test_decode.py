@@ -126,7 +126,8 @@ def test_sliding_window_target_past_its_window(tokenizer):
 def test_stream_records(tokenizer):
     model = make_target("qwen3")
     drafter = make_drafter(model, block_size=4)
-    records = list(stream_generate(model, tokenizer, "w1 w2 w3", drafter, max_tokens=12, eos_token_ids=[]))
+    records = list(stream_generate(model, tokenizer, "w1 w2 w3", drafter, verify_mode="dflash", max_tokens=12,
+                                   eos_token_ids=[]))
     assert records[0].accepted is None and len(records[0].tokens) == 1
     assert all(r.accepted is not None and len(r.tokens) == r.accepted + 1 for r in records[1:-1])
     assert [r.generation_tokens for r in records] == sorted(r.generation_tokens for r in records)
@@ -141,7 +142,7 @@ def test_result_summary(tokenizer):
     model = make_target("qwen3")
     prompt = prompts(1, seed=4)[0]
     oracle = make_oracle(model, prompt, block_size=4, spoil_seed=1)
-    r = generate(model, tokenizer, prompt, oracle, max_tokens=25, eos_token_ids=[])
+    r = generate(model, tokenizer, prompt, oracle, verify_mode="dflash", max_tokens=25, eos_token_ids=[])
     assert r.cycles == len(r.accepted) > 0
     assert r.tau == pytest.approx((sum(r.accepted) + r.cycles) / r.cycles)
     assert r.generation_tokens == len(r.tokens) == 25
@@ -157,8 +158,8 @@ def test_bad_arguments(tokenizer):
         run(model, tokenizer, [7, 8], drafter, block_size=1)
     with pytest.raises(ValueError, match="needs a drafter"):
         run(model, tokenizer, [7, 8], None, verify_mode="dflash")
-    with pytest.raises(ValueError, match="verify mode"):
-        run(model, tokenizer, [7, 8], drafter, verify_mode="adaptive")
+    with pytest.raises(ValueError, match="verify mode must be one of"):
+        run(model, tokenizer, [7, 8], drafter, verify_mode="ddtree")
     with pytest.raises(ValueError, match="prompt is empty"):
         run(model, tokenizer, [], drafter)
     with pytest.raises(ValueError, match="prompt token id 300 is outside the target's vocabulary"):

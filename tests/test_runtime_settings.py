@@ -90,7 +90,7 @@ def test_omlx_recipe(tmp_path):
 
 def test_omlx_defaults_and_errors(tmp_path):
     s = from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_block_size=""), "my/model")
-    assert s.verify_mode == "dflash" and s.block_size is None and s.notes == ["verify mode 'adaptive' runs as 'dflash' here"]
+    assert s.verify_mode == "adaptive" and s.block_size is None and s.notes == []  # oMLX's default mode
     assert from_omlx(omlx_file(tmp_path, dflash_enabled=False), "my/model").verify_mode == "off"
     with pytest.raises(ValueError, match="'ddtree' is not supported"):
         from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="ddtree"), "my/model")
@@ -106,4 +106,4 @@ def test_max_context_falls_back_and_says_so(tokenizer):
     r = generate(model, tokenizer, list(range(10, 30)), drafter, max_context=16, max_tokens=8, eos_token_ids=[])
     assert r.verify_mode == "off" and r.cycles == 0
     r = generate(model, tokenizer, list(range(10, 20)), drafter, max_context=16, max_tokens=8, eos_token_ids=[])
-    assert r.verify_mode == "dflash" and r.cycles > 0
+    assert r.verify_mode == "adaptive" and r.cycles > 0

@@ -1,0 +1,246 @@
+"""Choosing the block size of each cycle: oMLX's `adaptive` verify mode.
+
+Speculative decoding pays off only when a cycle commits more tokens than the time it costs would have
+bought by plain decoding. That needs two numbers per block size B on this machine and with this drafter:
+
+- its cost: one drafter pass plus one target pass over B tokens plus the loop's own work (`CostModel`:
+  the target's forward time for 1..B tokens, measured once per model, drafter and machine and cached on
+  disk, then corrected online by the cycles actually timed);
+- its yield: 1 + sum over i of P(drafts 1..i all accepted), from running per-position acceptance
+  estimates (exponentially decayed, so a drafter that stops being right is noticed within a few cycles).
+
+`AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps. While
+plain steps win it runs them in stretches and drafts one probe cycle between stretches (the stretches
+double while probes keep losing), so a drafter that starts accepting again is used again. The choice only
+decides how many tokens a cycle proposes: every committed token is still the target's, so any choice is
+lossless.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CostModel:
+    """Seconds per cycle part on one machine: `verify_s[n - 1]` is a target forward over n tokens (n = 1 is
+    a plain decoding step), `draft_s[B - 2]` one drafter pass for a block of B."""
+
+    verify_s: list[float]
+    draft_s: list[float]
+
+    @property
+    def block_max(self) -> int:
+        return len(self.verify_s)
+
+    def passes_s(self, B: int) -> float:
+        """A cycle's two passes at block size B (B = 1: one plain step)."""
+        return self.verify_s[B - 1] + (self.draft_s[B - 2] if B > 1 else 0.0)
+
+    def curve(self) -> list[tuple[int, float]]:
+        """(n, target forward over n tokens / a plain step): the verify cost curve."""
+        return [(n, s / self.verify_s[0]) for n, s in enumerate(self.verify_s, 1)]
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls after a warm-up: what the machine can do, with the noise of other
+    work on it left out (the decode loop corrects for a busy machine online)."""
+    fn()  # warm-up (compilation, allocation)
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - tic)
+    return min(times)
+
+
+MEASURE_CONTEXT_TOKENS = 64
+
+
+def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE_CONTEXT_TOKENS,
+                  repeats: int = 5) -> CostModel:
+    """Time the target's forward over 1..block_max tokens and the drafter's pass, after a prefill of
+    `context_tokens` tokens (each the best of `repeats`; a few dozen forwards in all). A forward over more
+    tokens never costs less than one over fewer: timing noise that says otherwise is flattened out."""
+    from .sampling import SamplingParams
+
+    vocab, mask = target.vocab_size, drafter.config.mask_token_id
+    tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + block_max)], mx.uint32)
+    cache = target.make_cache()
+    with target.capture() as tap:
+        _, context = tap.prefill(tokens[:context_tokens], cache)
+        mx.eval(context)
+
+        def verify(n):
+            fed = tokens[context_tokens : context_tokens + n]
+            if n == 1:  # a plain step: it stays (rotating caches cannot undo a 1-token update past their window)
+                mx.eval(tap.forward(fed, cache))
+                return
+            verified = tap.verify(fed, cache)
+            mx.eval(verified.logits, verified.features)
+            tap.rollback(cache, verified, 0)
+
+        def draft(B):
+            block = mx.concatenate([tokens[context_tokens : context_tokens + 1], mx.full((B - 1,), mask, mx.uint32)])
+            mx.eval(drafter.propose(block[None], context[None], drafter.make_cache(), SamplingParams()).tokens)
+
+        verify_s = list(itertools.accumulate((_best_seconds(lambda: verify(n), repeats)
+                                              for n in range(1, block_max + 1)), max))
+        # The drafter's pass grows little with B: measure its ends, interpolate between them.
+        ends = list(itertools.accumulate((_best_seconds(lambda: draft(B), repeats) for B in sorted({2, block_max})), max))
+    lo, hi = ends[0], ends[-1]
+    draft_s = [lo + (hi - lo) * (B - 2) / max(1, block_max - 2) for B in range(2, block_max + 1)]
+    return CostModel(verify_s, draft_s)
+
+
+def _cache_file() -> Path:
+    """Where measured costs are kept: $DFLASH2_COSTS, else costs.json in the package's cache folder."""
+    from .assets import cache_dir
+
+    return Path(os.environ.get("DFLASH2_COSTS") or cache_dir() / "costs.json")
+
+
+def cost_key(target, drafter, block_max: int) -> str:
+    """What the costs depend on: the target and its dtype, the drafter's size and dtype, the machine."""
+    from .kernels import kernels_backend
+    from .runtime import blas
+    from .train.features import fingerprint
+
+    cfg = drafter.config
+    weight = target.embed_tokens.weight
+    parts = [
+        fingerprint(target), str(weight.dtype), target.model_type, str(target.num_layers),
+        f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} "
+        f"{'dflash2' if cfg.is_dflash2 else 'v1'}",
+        f"B<={block_max}", platform.machine(), platform.processor() or "", str(os.cpu_count()),
+        "metal" if mx.metal.is_available() else "cpu", blas(), kernels_backend(), mx.__version__,
+    ]
+    return " | ".join(parts)
+
+
+def load_or_measure_costs(target, drafter, block_max: int) -> CostModel:
+    """The cached cost model of this target, drafter and machine, measured (and cached) if missing."""
+    key, path = cost_key(target, drafter, block_max), _cache_file()
+    try:
+        known = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        known = {}
+    if key in known:
+        return CostModel(**known[key])
+    logger.info("measuring this machine's cycle costs for %s (once; cached in %s)", target.model_type, path)
+    costs = measure_costs(target, drafter, block_max)
+    known[key] = asdict(costs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)
+    return costs
+
+
+class FixedBlocks:
+    """`--verify-mode dflash`: every cycle at the runtime block size (smaller only where max_tokens ends)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def next_block(self, left: int | None) -> int:
+        return self.block_size if left is None else max(2, min(self.block_size, left))
+
+    def plain_run(self, left: int | None) -> int:
+        raise AssertionError("fixed blocks never choose plain steps")
+
+    def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
+        pass
+
+    def observe_plain(self, steps: int, seconds: float) -> None:
+        pass
+
+
+class AdaptiveBlocks:
+    """Per cycle, the block size (1 = plain steps) with the most expected committed tokens per second.
+
+    prior: acceptance assumed at every position before any cycle is seen (weight 1 cycle); decay: the weight
+    kept by past observations at each new one; probe_block: the block size of probe cycles (the first cycle
+    is one); first_gap / max_gap: plain steps between probes, doubling while probes keep losing;
+    timing_steps: plain steps taken first, so that plain steps are timed on the same clock as cycles."""
+
+    def __init__(self, costs: CostModel, block_max: int, probe_block: int, prior: float = 0.5,
+                 decay: float = 0.7, first_gap: int = 32, max_gap: int = 256, timing_steps: int = 4):
+        if block_max > costs.block_max:
+            raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
+        self.costs, self.block_max, self.probe_block = costs, block_max, min(probe_block, block_max)
+        self.decay, self.first_gap, self.max_gap = decay, first_gap, max_gap
+        self.hits = [prior] * (block_max - 1)  # decayed counts per draft position: accepted ...
+        self.seen = [1.0] * (block_max - 1)  # ... and reached
+        # observed / measured seconds (the loop's own work, a longer context, a busy machine); None until seen
+        self.scale_draft: float | None = None
+        self.scale_plain: float | None = None
+        self.gap, self.probe_due, self.timing_steps = first_gap, True, timing_steps
+
+    def acceptance(self) -> list[float]:
+        """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1."""
+        return [h / s for h, s in zip(self.hits, self.seen)]
+
+    def expected_tokens(self, B: int) -> float:
+        """Committed tokens a cycle at B is expected to give: the bonus plus each accepted draft."""
+        total, run = 1.0, 1.0
+        for a in self.acceptance()[: B - 1]:
+            run *= a
+            total += run
+        return total
+
+    def seconds(self, B: int) -> float:
+        """Expected seconds of a cycle at B: the measured passes, scaled as observed (by the other kind's
+        scale until one of this kind is seen, so the two stay comparable)."""
+        own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
+        scale = own if own is not None else other if other is not None else 1.0
+        return self.costs.passes_s(B) * scale
+
+    def rates(self, top: int) -> dict[int, float]:
+        """Expected committed tokens per second at each block size 1..top."""
+        return {B: self.expected_tokens(B) / self.seconds(B) for B in range(1, top + 1)}
+
+    def next_block(self, left: int | None) -> int:
+        top = self.block_max if left is None else max(1, min(self.block_max, left))
+        if self.timing_steps and top > 1:
+            return 1
+        if self.probe_due:
+            self.probe_due = False
+            return max(2, min(self.probe_block, top)) if top > 1 else 1
+        rates = self.rates(top)
+        best = max(rates, key=rates.get)
+        if best > 1:
+            self.gap = self.first_gap
+        return best
+
+    def plain_run(self, left: int | None) -> int:
+        """Plain steps to take before the next probe cycle."""
+        if self.timing_steps:
+            run, self.timing_steps = self.timing_steps, 0
+        else:
+            run, self.gap = self.gap, min(2 * self.gap, self.max_gap)
+        self.probe_due = True
+        return run if left is None else max(1, min(run, left))
+
+    def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
+        for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
+            self.seen[i] = self.decay * self.seen[i] + 1
+            self.hits[i] = self.decay * self.hits[i] + (i < accepted)
+        self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B))
+
+    def observe_plain(self, steps: int, seconds: float) -> None:
+        self.scale_plain = self._mix(self.scale_plain, seconds / steps / self.costs.passes_s(1))
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new

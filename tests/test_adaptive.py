@@ -1,0 +1,173 @@
+"""Adaptive verify mode: the block-size policy checked against its formula, and the decode loop it drives
+checked against plain decoding (lossless whatever it picks)."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import math
+
+import pytest
+from conftest import make_dflash2_drafter, make_drafter, make_oracle, make_target
+from test_decode import prompts, run
+
+import dflash2_mlx.adaptive as adaptive
+from dflash2_mlx import generate
+from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, load_or_measure_costs
+from dflash2_mlx.loading import bind_drafter
+
+generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
+
+# SmolLM2-135M on the development CPU (issue 13): a plain step 72 ms, 5 tokens 107 ms, 8 tokens 123 ms;
+# the drafter pass ~30 ms.
+COSTS = CostModel(verify_s=[0.072, 0.080, 0.088, 0.097, 0.107, 0.113, 0.118, 0.123], draft_s=[0.030] * 7)
+
+
+def brute_force_expected(acceptance: list[float], B: int) -> float:
+    """E[committed tokens] of a cycle at B by enumerating every accept/reject pattern of its B-1 drafts."""
+    total = 0.0
+    for pattern in itertools.product([True, False], repeat=B - 1):
+        p = math.prod(a if ok else 1 - a for a, ok in zip(acceptance, pattern))
+        run_length = next((i for i, ok in enumerate(pattern) if not ok), B - 1)
+        total += p * (run_length + 1)
+    return total
+
+
+def test_expected_tokens_match_brute_force():
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5)
+    policy.hits, policy.seen = [0.9, 1.2, 0.3, 2.0, 0.1, 0.5, 0.7], [1.0, 2.0, 0.6, 2.5, 1.0, 0.5, 1.4]
+    for B in range(1, 9):
+        assert policy.expected_tokens(B) == pytest.approx(brute_force_expected(policy.acceptance(), B))
+
+
+def test_a_generation_starts_with_timed_plain_steps_then_a_probe():
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5, timing_steps=4)
+    assert policy.next_block(None) == 1 and policy.plain_run(None) == 4
+    assert policy.next_block(None) == 5
+
+
+def test_accepting_drafter_gets_the_largest_block():
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5, timing_steps=0)
+    assert policy.next_block(None) == 5  # the first cycle is a probe
+    policy.observe_cycle(5, 4, COSTS.passes_s(5))
+    for _ in range(3):
+        B = policy.next_block(None)
+        policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
+    assert B == 8 and policy.next_block(None) == 8
+    assert policy.next_block(left=3) == 3  # never drafts past max_tokens
+
+
+def test_losing_drafter_gets_plain_steps_with_doubling_probe_gaps():
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5, first_gap=16, max_gap=64, timing_steps=0)
+    B = policy.next_block(None)
+    policy.observe_cycle(B, 0, COSTS.passes_s(B))
+    runs = []
+    for _ in range(5):
+        assert policy.next_block(None) == 1
+        runs.append(policy.plain_run(None))
+        policy.observe_plain(runs[-1], runs[-1] * COSTS.verify_s[0])
+        B = policy.next_block(None)  # the probe after a plain run
+        assert B == 5
+        policy.observe_cycle(B, 0, COSTS.passes_s(B))
+    assert runs == [16, 32, 64, 64, 64]
+    # the drafter accepts again: a probe or two later it drafts again, and the gap starts over
+    for _ in range(2):
+        if policy.next_block(None) == 1:
+            policy.plain_run(None)
+            B = policy.next_block(None)
+        policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
+    assert policy.next_block(None) > 1 and policy.gap == 16
+
+
+def test_slow_cycles_observed_online_turn_drafting_off():
+    """Measured costs say drafting pays; the cycles actually timed say it does not (a long context, a busy
+    machine): the observed times win."""
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5, timing_steps=0)
+    for _ in range(4):
+        B = policy.next_block(None)
+        policy.observe_cycle(B, 2, COSTS.passes_s(B))
+    assert policy.next_block(None) > 1
+    policy.observe_plain(16, 16 * COSTS.verify_s[0])
+    for _ in range(8):
+        B = policy.next_block(None)
+        if B == 1:
+            break
+        policy.observe_cycle(B, 2, 4 * COSTS.passes_s(B))
+    assert B == 1
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Adaptive generations decide as if on the machine COSTS describes: its measured costs, and every cycle
+    and plain step timed at exactly those costs (the tiny test models' own timings are all Python overhead,
+    and would make the decisions depend on this machine's load)."""
+    monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: COSTS)
+    cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
+    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle", lambda self, B, a, s: cycle(self, B, a, COSTS.passes_s(B)))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s: plain(self, n, n * COSTS.verify_s[0]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
+def test_adaptive_is_lossless(arch, tokenizer, measured):
+    model = make_target(arch, seed=5)
+    for i, prompt in enumerate(prompts(2, seed=8)):
+        plain, _, _ = run(model, tokenizer, prompt, max_tokens=60, eos_token_ids=[])
+        drafters = [make_drafter(model, block_size=8, seed=1), make_dflash2_drafter(model, block_size=8),
+                    make_oracle(model, prompt, block_size=8, spoil_seed=i), make_oracle(model, prompt, block_size=8),
+                    make_oracle(model, prompt, block_size=8, right_for=25)]
+        for drafter in drafters:
+            r = generate(model, tokenizer, prompt, drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
+            assert r.tokens == plain, f"{arch} prompt {i} {type(drafter).__name__}"
+            # every token accounted for (the last cycle may be cut short by max_tokens)
+            assert 60 <= r.plain_tokens + sum(r.accepted) + r.cycles + 1 < 60 + 8
+
+
+def test_the_oracle_gets_the_largest_block(tokenizer, measured):
+    """Every draft accepted: after 4 timed plain steps, from the probe (3) it climbs to the largest block (8)
+    and stays there."""
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    records = list(generate_module.stream_generate(model, tokenizer, prompt, make_oracle(model, prompt, 8),
+                                                   verify_mode="adaptive", max_tokens=80, eos_token_ids=[]))
+    blocks = [r.block_size for r in records[1:-1]]  # the last cycle may be shortened by max_tokens
+    assert blocks[:5] == [1, 1, 1, 1, 3] and 1 not in blocks[4:] and blocks == sorted(blocks)
+    assert blocks[-4:] == [8] * 4 and all(r.accepted == r.block_size - 1 for r in records[5:-1])
+
+
+def test_collapsing_drafter_moves_to_plain_steps(tokenizer, measured):
+    """Right for its first 24 tokens, then always wrong: within a few cycles adaptive mode runs plain steps,
+    and the tokens stay the target's."""
+    model = make_target("llama", seed=7)
+    prompt = prompts(1, seed=6)[0]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=100, eos_token_ids=[])
+    oracle = make_oracle(model, prompt, block_size=8, right_for=24)
+    records = list(generate_module.stream_generate(model, tokenizer, prompt, oracle, verify_mode="adaptive",
+                                                   max_tokens=100, eos_token_ids=[]))
+    assert [t for r in records for t in r.tokens] == plain
+    committed, wrong_cycles = 0, 0
+    for r in records:
+        if committed >= 24 and r.block_size is not None:
+            if r.block_size == 1:
+                break
+            wrong_cycles += 1
+        committed += len(r.tokens)
+    assert 1 <= wrong_cycles <= 5
+    assert sum(len(r.tokens) for r in records if r.block_size == 1) >= 50
+
+
+def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch, tokenizer):
+    monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
+    model = make_target("qwen3", seed=1)
+    drafter = make_drafter(model, block_size=4)
+    target = bind_drafter(drafter, model)
+    costs = load_or_measure_costs(target, drafter, 4)
+    assert len(costs.verify_s) == 4 and len(costs.draft_s) == 3
+    assert all(s > 0 for s in costs.verify_s + costs.draft_s)
+    stored = json.loads((tmp_path / "costs.json").read_text())
+    assert list(stored.values()) == [{"verify_s": costs.verify_s, "draft_s": costs.draft_s}]
+    monkeypatch.setattr(adaptive, "measure_costs", lambda *a: pytest.fail("measured twice"))
+    assert load_or_measure_costs(target, drafter, 4) == costs
+    with pytest.raises(pytest.fail.Exception, match="measured twice"):
+        load_or_measure_costs(target, drafter, 3)  # another block range is another measurement
+
