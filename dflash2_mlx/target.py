@@ -14,7 +14,7 @@ even if generation raises.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,6 +42,22 @@ def _parts(model: nn.Module):
         f"{type(model).__module__}.{type(model).__name__} is not a supported mlx-lm causal LM: "
         "expected model.model.layers and model.model.embed_tokens"
     )
+
+
+def output_projection(model: nn.Module, inner: nn.Module, embed: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The target's LM head, as its mlx-lm `Model.__call__` applies it to the final normed hidden state.
+    `inner` is its decoder (holding `embed` and the layers); the head sits beside it: on the model, or on
+    `model.language_model` for the multimodal wrappers (Qwen3.5/3.6, Gemma 3, Mistral 3, ...), untied or
+    tied (as the model's own tie flag says), possibly quantized."""
+    lm = getattr(model, "language_model", None)
+    owner = lm if lm is not None and getattr(lm, "model", None) is inner else model
+    head = getattr(owner, "lm_head", None)
+    if head is None and isinstance(getattr(owner, "output", None), (nn.Linear, nn.QuantizedLinear)):
+        head = owner.output  # llama4_text's name for it
+    flags = [getattr(s, "tie_word_embeddings", None) for s in (owner, getattr(owner, "args", None),
+                                                               getattr(owner, "config", None))]
+    tied = head is None or next((f for f in flags if f is not None), None) is True
+    return embed.as_linear if tied else head
 
 
 class _Recorder:
@@ -87,8 +103,7 @@ class Target:
             self.vocab_size, self.hidden_size = self.embed_tokens.num_embeddings, self.embed_tokens.dims
         else:
             self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
-        head = getattr(model, "lm_head", None)
-        self.lm_head = head if head is not None else self.embed_tokens.as_linear
+        self.lm_head = output_projection(model, inner, self.embed_tokens)
         self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
         self._recorder = _Recorder()
         self._capturing = False
