@@ -205,12 +205,11 @@ def test_vocabulary_mismatch(tmp_path):
 
 def test_hidden_size_mismatch(tmp_path):
     src = synthetic_checkpoint(tmp_path / "hf", "v1")
-    cfg = json.loads((src / "config.json").read_text())
     target = make_target("qwen3", layers=6)
+    bind_drafter(load_drafter(str(src)), target)  # the same drafter fits a target of its width
     target.model.embed_tokens.weight = mx.zeros((256, 32))  # a target of another width
     with pytest.raises(ValueError, match="hidden size 64 does not match the target's 32"):
         bind_drafter(load_drafter(str(src)), target)
-    assert cfg["hidden_size"] == 64
 
 
 def test_layer_ids_beyond_the_target(tmp_path):
