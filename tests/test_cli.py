@@ -35,7 +35,12 @@ def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
     assert JSON_FIELDS <= spec.keys()
     assert spec["verify_mode"] == "dflash" and spec["block_size"] == 5
     assert spec["generation_tokens"] == len(spec["tokens"]) == 21
-    assert spec["cycles"] == len(spec["accepted"]) and spec["tau"] >= 1
+    accepted, cycles = spec["accepted"], spec["cycles"]
+    assert cycles == len(accepted) > 0 and all(0 <= a <= 4 for a in accepted)
+    assert spec["tau"] == pytest.approx((sum(accepted) + cycles) / cycles)  # bonus included
+    # the prefill token and each cycle's accepted drafts + bonus reach the 21 tokens, the last cycle is needed
+    assert 1 + sum(a + 1 for a in accepted) >= 21 > 1 + sum(a + 1 for a in accepted[:-1])
+    assert spec["tau"] < 1.25, accepted  # tiny_pair's drafter is random: it accepts (almost) nothing
     assert spec["prompt_tokens"] == 5  # "<|user|> w1 w2 w3 <|assistant|>": the chat template was applied
     code, out, _ = run_cli(capsys, *common, "--verify-mode", "off")
     plain = json.loads(out)
