@@ -59,7 +59,12 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
     assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["verify_mode"] == "dflash" and result["block_size"] == 5  # DFlash 2's default cap
-    assert result["generation_tokens"] >= 1 and result["tau"] >= 1
+    accepted, cycles = result["accepted"], result["cycles"]
+    assert cycles == len(accepted) > 0 and all(0 <= a <= 4 for a in accepted)
+    assert result["tau"] == pytest.approx((sum(accepted) + cycles) / cycles)  # what it says it accepted
+    assert result["generation_tokens"] == len(result["tokens"]) <= 1 + sum(a + 1 for a in accepted)
+    assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json", "--verify-mode", "off"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == result["tokens"]  # lossless
 
 
 @pytest.mark.parametrize("ci", ["", "true"])
