@@ -11,6 +11,7 @@ from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_oracl
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from dflash2_mlx import generate, stream_generate
+from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -81,7 +82,7 @@ def test_recording_is_one_verify_pass(tokenizer):
 
 
 def test_speculative_sampling_follows_a_hybrid_target(tokenizer):
-    from test_sampling import N, PROMPT, SETTINGS, V, chi_square, exact_distribution, sample_sequences
+    from test_sampling import N, SETTINGS, V, chi_square, exact_distribution, sample_sequences
 
     model = make_hybrid("qwen3_5", vocab=V, seed=21)
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
@@ -89,8 +90,10 @@ def test_speculative_sampling_follows_a_hybrid_target(tokenizer):
     counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=4)
     stat, critical = chi_square(counts, exact_distribution(model, params), N)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
-    assert sum(counts.values()) == N and set(map(len, counts)) == {3}
-    assert PROMPT  # the exact distribution was conditioned on this prompt
+    assert set(map(len, counts)) == {3}
+    # the test can tell distributions apart: the same samples are rejected against the target at T=0.5
+    stat, critical = chi_square(counts, exact_distribution(model, SamplingParams(temperature=0.5)), N)
+    assert stat > critical, f"chi2 {stat:.1f} <= {critical:.1f}: this test could not see a wrong temperature"
 
 
 def _classes_untouched(model):
