@@ -35,8 +35,10 @@ class DraftConfig:
     # None means "as the reference decides": causal inside the block for sliding layers only.
     is_causal: bool | None = None
     num_target_layers: int | None = None
+    # None = not set by the drafter's config: the target's own logit settings apply (see DFlashDraftModel.bind).
     final_logit_softcapping: float | None = None
-    output_multiplier: float = 1.0
+    output_multiplier: float | None = None
+    # Times the target's own embedding scale.
     input_embedding_scale: float = 1.0
     # DFlash 2 (zero = absent): dynamic short convolution and path selector.
     conv_kernel_size: int = 0
@@ -107,9 +109,11 @@ class DraftConfig:
         dflash = {
             "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
-            "output_multiplier": self.output_multiplier,
             "input_embedding_scale": self.input_embedding_scale,
         }
+        # Unset logit settings stay unset (the target's apply), so a saved drafter binds as the loaded one.
+        if self.output_multiplier is not None:
+            dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
         if self.is_dflash2:
@@ -196,6 +200,10 @@ _OTHER_FIELDS = {
 }
 
 
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
 def _dflash_v1_fields(cfg: dict) -> dict:
     """z-lab's DFlashDraftModel: block_size at the top level, ids under `dflash_config`."""
     dflash = cfg.get("dflash_config") or {}
@@ -205,8 +213,10 @@ def _dflash_v1_fields(cfg: dict) -> dict:
         block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
         target_layer_ids=tuple(dflash["target_layer_ids"]),
         mask_token_id=int(dflash["mask_token_id"]),
-        final_logit_softcapping=dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping")),
-        output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+        final_logit_softcapping=_optional_float(
+            dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+        ),
+        output_multiplier=_optional_float(dflash.get("output_multiplier")),
         input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
         is_causal=cfg.get("is_causal"),
     )
@@ -241,8 +251,8 @@ def _muse_v1_fields(cfg: dict) -> dict:
         block_size=int(cfg.get("block_size", 16)),
         target_layer_ids=tuple(cfg["target_layer_ids"]),
         mask_token_id=int(cfg["mask_token_id"]),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        output_multiplier=float(cfg.get("output_multiplier", 1.0)),
+        final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
+        output_multiplier=_optional_float(cfg.get("output_multiplier")),
         input_embedding_scale=float(cfg.get("input_embedding_scale", 1.0)),
         is_causal=False,
     )

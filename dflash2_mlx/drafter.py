@@ -180,10 +180,11 @@ class Proposal(NamedTuple):
 
 class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
-    trained or quantized as part of the drafter."""
+    trained or quantized as part of the drafter; with the logit settings in force (see `bind`)."""
 
-    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int):
+    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int, multiplier: float, softcap: float | None):
         self.embed, self.lm_head, self.embed_scale, self.vocab_size = embed, lm_head, embed_scale, vocab_size
+        self.multiplier, self.softcap = multiplier, softcap
 
 
 class DFlashDraftModel(nn.Module):
@@ -201,9 +202,20 @@ class DFlashDraftModel(nn.Module):
             )
         self._target: _TargetParts | None = None
 
-    def bind(self, embed, lm_head, vocab_size: int, embed_scale: float = 1.0) -> "DFlashDraftModel":
-        """Use the target's embedding and LM head (both stay frozen and owned by the target)."""
-        self._target = _TargetParts(embed, lm_head, embed_scale * self.config.input_embedding_scale, vocab_size)
+    def bind(
+        self, embed, lm_head, vocab_size: int, embed_scale: float = 1.0,
+        output_multiplier: float = 1.0, final_logit_softcapping: float | None = None,
+    ) -> "DFlashDraftModel":
+        """Use the target's embedding and LM head (both stay frozen and owned by the target). `embed_scale`,
+        `output_multiplier` and `final_logit_softcapping` are the target's own (see `target.output_head`):
+        the block's embeddings are scaled as the target scales its own (times the config's
+        `input_embedding_scale`), and a logit setting the drafter's config leaves unset is the target's."""
+        cfg = self.config
+        multiplier = cfg.output_multiplier if cfg.output_multiplier is not None else output_multiplier
+        softcap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else final_logit_softcapping
+        self._target = _TargetParts(
+            embed, lm_head, embed_scale * cfg.input_embedding_scale, vocab_size, float(multiplier), softcap or None
+        )
         return self
 
     def make_cache(self) -> list[KVCache]:
@@ -231,8 +243,8 @@ class DFlashDraftModel(nn.Module):
         """Draft logits over the whole vocabulary, or over the tokens whose LM-head rows are `head_rows`
         [n, D] (training's reduced vocabulary)."""
         head = self._target.lm_head(hidden) if head_rows is None else hidden @ head_rows.T
-        logits = head * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
+        logits = head * self._target.multiplier
+        cap = self._target.softcap
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits

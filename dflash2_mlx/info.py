@@ -47,14 +47,16 @@ def component(name: str) -> str:
 
 def parameter_counts(shapes: dict[str, list[int]], bits: int | None = None) -> dict[str, int]:
     """Parameters per component; with `bits`, quantized weights (packed in uint32, with scales and
-    biases beside them) count as the dense matrices they stand for."""
+    biases beside them) count as the dense matrices they stand for: MLX packs each row's values
+    end to end, so a row of n uint32 words holds n * 32 / bits of them (3-, 5- and 6-bit values straddle
+    words)."""
     counts = dict.fromkeys(COMPONENTS, 0)
     for name, shape in shapes.items():
         base, _, suffix = name.rpartition(".")
         quantized = bits is not None and f"{base}.scales" in shapes
         if quantized and suffix in ("scales", "biases"):
             continue
-        size = math.prod(shape) * (32 // bits if quantized else 1)
+        size = math.prod(shape[:-1]) * (shape[-1] * 32 // bits) if quantized else math.prod(shape)
         counts[component(name.removeprefix("model."))] += size
     counts = {k: v for k, v in counts.items() if v}
     counts["total"] = sum(counts.values())

@@ -118,7 +118,8 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
             f"drafter mask_token_id {cfg.mask_token_id} is outside the target's embedding table "
             f"(vocabulary {target.vocab_size})"
         )
-    drafter.bind(target.embed_tokens, target.lm_head, target.vocab_size, target.embed_scale)
+    drafter.bind(target.embed_tokens, target.lm_head, target.vocab_size, target.embed_scale,
+                 target.logit_multiplier, target.logit_softcap)
     return target
 
 

@@ -32,8 +32,11 @@ class Recorded(NamedTuple):
     def rebuild(self, cache, n: int) -> None:
         """Set `cache` ([conv state, recurrent state]) to its value after the first n recorded rows."""
         (q, k, v, a, b, A_log, dt_bias, state0, _mask), kwargs = self.recurrence
-        first = lambda x: x[:, :n]  # noqa: E731
-        _, state = self.update(first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs)
+        if n == 0:  # the whole pass undone: the state it started from (None if it had none)
+            state = state0
+        else:
+            first = lambda x: x[:, :n]  # noqa: E731
+            _, state = self.update(first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs)
         kept = self.conv_input.shape[1] - q.shape[1]  # the K - 1 rows of the previous conv state
         cache[0] = mx.contiguous(self.conv_input[:, n : n + kept])
         cache[1] = state

@@ -15,7 +15,7 @@ it: nothing depends on which forward ran last.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,64 @@ def _parts(model: nn.Module):
         f"{type(model).__module__}.{type(model).__name__} is not a supported mlx-lm causal LM: "
         "expected model.model.layers and model.model.embed_tokens"
     )
+
+
+class OutputHead(NamedTuple):
+    """What the target does to its final normed hidden state h to get its logits, read from how its
+    mlx-lm `Model.__call__` computes them: softcap(project(h) * multiplier), where softcap(x) =
+    tanh(x / cap) * cap (None: no cap)."""
+
+    project: Callable[[mx.array], mx.array]  # the untied LM head, or the embedding used as a linear map
+    multiplier: float
+    softcap: float | None
+
+
+def output_head(model: nn.Module, inner: nn.Module, embed: nn.Module) -> OutputHead:
+    """The target's output projection. `inner` is its decoder (holding `embed` and the layers); the head
+    sits beside it: on the model, or on `model.language_model` for the multimodal wrappers (Qwen3.5/3.6,
+    Gemma 3, Mistral 3, ...), untied or tied (as the model's own tie flag says), possibly quantized."""
+    lm = getattr(model, "language_model", None)
+    owner = lm if lm is not None and getattr(lm, "model", None) is inner else model
+    sources = [owner, getattr(owner, "args", None), getattr(owner, "config", None),
+               getattr(inner, "args", None), getattr(inner, "config", None)]
+
+    def setting(name):
+        return next((v for s in sources if s is not None and (v := getattr(s, name, None)) is not None), None)
+
+    head = getattr(owner, "lm_head", None)
+    if head is None and isinstance(getattr(owner, "output", None), (nn.Linear, nn.QuantizedLinear)):
+        head = owner.output  # llama4_text's name for it
+    tied = head is None or setting("tie_word_embeddings") is True
+    multiplier = 1.0
+    if setting("logits_scaling") is not None:  # granite: logits / logits_scaling
+        multiplier /= setting("logits_scaling")
+    if setting("logit_scale") is not None:  # cohere: logits * logit_scale
+        multiplier *= setting("logit_scale")
+    if setting("output_multiplier") is not None:  # Muse Glimmer
+        multiplier *= setting("output_multiplier")
+    if not tied and setting("dim_model_base") is not None:  # minicpm: lm_head(h / (hidden / dim_model_base))
+        multiplier *= setting("dim_model_base") / setting("hidden_size")
+    cap = setting("final_logit_softcapping")  # gemma2, gemma4, Muse Glimmer
+    return OutputHead(embed.as_linear if tied else head, float(multiplier), float(cap) if cap else None)
+
+
+# Decoders that scale their embeddings inside `__call__` by sqrt(hidden_size) (gemma3_text rounds it to bfloat16).
+_SQRT_HIDDEN_EMBEDDINGS = {"gemma": None, "gemma2": None, "gemma3_text": mx.bfloat16}
+
+
+def input_embedding_scale(inner: nn.Module) -> float:
+    """The factor the target's decoder multiplies its token embeddings by before its first layer."""
+    for name in ("embed_scale", "embedding_multiplier"):  # gemma4_text, gear; granite
+        if getattr(inner, name, None) is not None:
+            return float(getattr(inner, name))
+    args = getattr(inner, "args", None)
+    if getattr(args, "scale_emb", None) is not None:  # minicpm
+        return float(args.scale_emb)
+    kind = type(inner).__module__.rsplit(".", 1)[-1]
+    if kind in _SQRT_HIDDEN_EMBEDDINGS:
+        scale, dtype = args.hidden_size**0.5, _SQRT_HIDDEN_EMBEDDINGS[kind]
+        return float(mx.array(scale, dtype)) if dtype is not None else float(scale)
+    return 1.0
 
 
 _TAPPED_CLASSES: dict[type, type] = {}
@@ -168,13 +226,24 @@ class Target:
             self.vocab_size, self.hidden_size = self.embed_tokens.num_embeddings, self.embed_tokens.dims
         else:
             self.vocab_size, self.hidden_size = self.embed_tokens.weight.shape
-        head = getattr(model, "lm_head", None)
-        self.lm_head = head if head is not None else self.embed_tokens.as_linear
-        self.embed_scale = float(getattr(inner, "embed_scale", 1.0))
+        # What the drafter borrows: the target's input embedding and output projection, as its own forward uses them.
+        self.lm_head, self.logit_multiplier, self.logit_softcap = output_head(model, inner, self.embed_tokens)
+        self.embed_scale = input_embedding_scale(inner)
         # layer index -> its GatedDeltaNet module, for hybrid targets
         self.recurrent = {
             i: module for i, layer in enumerate(self.layers) if (module := recurrent.recurrent_module(layer))
         }
+
+    def head_rows(self, ids: mx.array) -> mx.array:
+        """The output projection's rows [n, D] of tokens `ids`, dequantized (tied heads: embedding rows):
+        `h @ head_rows(ids).T` is the head's logits of those tokens (before the logit settings)."""
+        head = self.lm_head
+        if not isinstance(head, nn.Module):  # the embedding's as_linear (a quantized embedding dequantizes its rows)
+            return self.embed_tokens(ids)
+        if isinstance(head, nn.QuantizedLinear):
+            return mx.dequantize(head.weight[ids], head.scales[ids], head.get("biases")[ids] if "biases" in head else None,
+                                 head.group_size, head.bits, mode=head.mode)
+        return head.weight[ids]
 
     @property
     def model_type(self) -> str:

@@ -38,7 +38,13 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
         if r["temperature"] == 0:
             assert r["lossless"] is True
         if r["kind"] == "dflash":
-            assert r["tau"] >= 1 and len(r["acceptance_by_position"]) == r["block_size"] - 1
+            profile = r["acceptance_by_position"]
+            assert len(profile) == r["block_size"] - 1 and profile == sorted(profile, reverse=True)  # suffix decay
+            assert r["cycles"] > 0 and all(0 <= p <= 1 for p in profile)
+            # two counts of one record: mean accepted drafts = the summed share of cycles accepting position j
+            assert r["tau"] == pytest.approx(1 + sum(profile))
+            # both drafters are random: (almost) nothing accepted (measured: tau 1.0 at T=0, <= 1.12 at T=1)
+            assert r["tau"] < (1.1 if r["temperature"] == 0 else 1.5), r
             assert 0 < r["draft_share"] < 1
     assert {r["temperature"] for r in rows} == {0, 1}
     ctx = report["context"]

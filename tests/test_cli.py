@@ -35,7 +35,12 @@ def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
     assert JSON_FIELDS <= spec.keys()
     assert spec["verify_mode"] == "dflash" and spec["block_size"] == 5
     assert spec["generation_tokens"] == len(spec["tokens"]) == 21
-    assert spec["cycles"] == len(spec["accepted"]) and spec["tau"] >= 1
+    accepted, cycles = spec["accepted"], spec["cycles"]
+    assert cycles == len(accepted) > 0 and all(0 <= a <= 4 for a in accepted)
+    assert spec["tau"] == pytest.approx((sum(accepted) + cycles) / cycles)  # bonus included
+    # the prefill token and each cycle's accepted drafts + bonus reach the 21 tokens, the last cycle is needed
+    assert 1 + sum(a + 1 for a in accepted) >= 21 > 1 + sum(a + 1 for a in accepted[:-1])
+    assert spec["tau"] < 1.25, accepted  # tiny_pair's drafter is random: it accepts (almost) nothing
     assert spec["prompt_tokens"] == 5  # "<|user|> w1 w2 w3 <|assistant|>": the chat template was applied
     code, out, _ = run_cli(capsys, *common, "--verify-mode", "off")
     plain = json.loads(out)
@@ -183,3 +188,30 @@ def test_info_counts_the_published_checkpoint():
     assert counts["total"] == 2_772_159_744  # as the fixture's source states
     assert counts["selector"] == 2 * 202048 * 256 + 256 * 6656
     assert counts["conv"] == 5 * 2 * (2 * 2 * 6656 + 1664 * 6656)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_info_unpacks_mlx_quantized_weights(bits):
+    """MLX packs `bits`-bit values into uint32 words across rows' ends (3-, 5-, 6-bit values straddle
+    words): a quantized Linear counts as the dense matrix it was made from."""
+    import mlx.nn as nn
+
+    from dflash2_mlx.info import parameter_counts
+
+    q = nn.QuantizedLinear.from_linear(nn.Linear(160, 96, bias=False), group_size=32, bits=bits)
+    shapes = {f"layers.0.mlp.up_proj.{k}": list(v.shape) for k, v in q.parameters().items()}
+    assert parameter_counts(shapes, bits) == {"mlp": 96 * 160, "total": 96 * 160}
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_info_counts_a_quantized_drafter_as_its_source(tmp_path, bits):
+    from conftest import synthetic_checkpoint
+
+    from dflash2_mlx.checkpoints.hf import convert
+    from dflash2_mlx.checkpoints.quantize import DraftQuant
+    from dflash2_mlx.info import drafter_info
+
+    src = synthetic_checkpoint(tmp_path / "hf", "dflash2")
+    mlx_dir = convert(str(src), tmp_path / "q", quant=DraftQuant(bits, 16, 32), min_quantized_size=0)
+    assert json.loads((mlx_dir / "config.json").read_text())["quantization"]["bits"] == bits
+    assert drafter_info(str(mlx_dir))["parameters"] == drafter_info(str(src))["parameters"]

@@ -177,7 +177,7 @@ def test_greedy_lossless_with_both_walks(arch, walk, tokenizer):
     for i, prompt in enumerate([[7, 19, 33], list(range(40, 71))]):
         plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=30, eos_token_ids=[])
         for B in (2, 3, 5, 9, 16):
-            spec = generate(model, tokenizer, prompt, drafter, block_size=B, walk=walk, max_tokens=30,
+            spec = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=B, walk=walk, max_tokens=30,
                             eos_token_ids=[])
             assert spec.tokens == plain.tokens, f"{arch} {walk} prompt {i} B={B}"
 

@@ -276,12 +276,22 @@ def test_train_command(tmp_path, tiny_pair, capsys):
                  "--steps", "4", "--block-size", "4", "--sequences-per-step", "2", "--anchors-per-sequence", "4",
                  "--eval-every", "2", "--selector-rank", "16"]) == 0
     card = json.loads((tmp_path / "t" / "drafter" / "card.json").read_text())
-    assert card["steps"] == 4 and card["architecture"] == "DFlash2DraftModel" and card["heldout_tau"] >= 1
-    assert "held-out acceptance length tau" in (tmp_path / "t" / "drafter" / "README.md").read_text()
+    assert card["steps"] == 4 and card["architecture"] == "DFlash2DraftModel"
+    # --eval-every 2 over 4 steps: evaluations at steps 2 and 4, the card's tau is the last one, and a
+    # teacher-forced tau of block 4 is 1 + a mean of 0..3 accepted drafts
+    history = card["heldout_tau_history"]
+    assert [step for step, _ in history] == [2, 4] and card["heldout_tau"] == history[-1][1]
+    assert all(1 <= tau <= 4 for _, tau in history), history
+    readme = (tmp_path / "t" / "drafter" / "README.md").read_text()
+    assert f"held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}" in readme
     shutil.rmtree(tmp_path / "t" / "checkpoint")
-    assert main(["generate", "--model", str(target), "--draft-model", str(tmp_path / "t" / "drafter"),
-                 "--prompt", "w1", "--max-tokens", "6", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["verify_mode"] == "dflash"
+    runs = {}
+    for mode in ("dflash", "off"):
+        assert main(["generate", "--model", str(target), "--draft-model", str(tmp_path / "t" / "drafter"),
+                     "--prompt", "w1", "--max-tokens", "6", "--json", "--verify-mode", mode]) == 0
+        runs[mode] = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert runs["dflash"]["verify_mode"] == "dflash" and runs["dflash"]["cycles"] > 0
+    assert runs["dflash"]["tokens"] == runs["off"]["tokens"]  # the trained drafter decodes losslessly
     assert Path(tmp_path / "t" / "drafter" / "model.safetensors").exists()
 
 

@@ -145,8 +145,8 @@ def training_vocabulary(samples: list[Sample]) -> np.ndarray:
 
 def lm_head_rows(target: Target, ids: mx.array) -> mx.array:
     """The target's LM-head rows [n, D] of tokens `ids`, dequantized (tied heads: embedding rows)."""
-    head = getattr(target.model, "lm_head", None)
-    if head is None:
+    head = target.lm_head
+    if not isinstance(head, nn.Module):  # the embedding's as_linear
         return target.embed_tokens(ids)
     if isinstance(head, nn.QuantizedLinear):
         return mx.dequantize(head.weight[ids], head.scales[ids], head.get("biases")[ids] if "biases" in head else None,
