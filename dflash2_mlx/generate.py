@@ -96,6 +96,7 @@ def stream_generate(
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     block_size: int | None = None,
     verify_mode: str = "dflash",
@@ -106,6 +107,10 @@ def stream_generate(
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter` when verify_mode is
     "dflash", or by plain decoding of the same target when it is "off".
+
+    temp, top_p, top_k, min_p: mlx-lm's sampler (`make_sampler`): top-p, min-p and top-k filter the
+    untempered log-probabilities, then temperature applies; temp 0 is greedy. At T > 0 the tokens follow
+    the distribution mlx-lm's own sampler draws from the target, speculative or not.
 
     walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
@@ -119,7 +124,7 @@ def stream_generate(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    params = SamplingParams(temp, top_p, top_k)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = _encode(tokenizer, prompt)
     if seed is not None:

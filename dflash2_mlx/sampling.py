@@ -1,8 +1,9 @@
 """Logits -> tokens, and the acceptance rules that keep speculative decoding lossless.
 
 Everything here stays on the device: the decode loop reads back one small array per cycle.
-Both the drafter and the target go through `probabilities`, so temperature, top-k and top-p shape both
-sides the same way and rejection sampling reproduces the target's *filtered* distribution exactly.
+`sample` is mlx-lm's sampler (`mlx_lm.sample_utils.make_sampler`) and `probabilities` the distribution it
+draws from. Both the drafter and the target go through them, so rejection sampling reproduces exactly
+the distribution mlx-lm's own sampler draws from the target.
 """
 
 from __future__ import annotations
@@ -10,52 +11,61 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import kernels
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    """mlx-lm's sampler settings. As in `make_sampler`, top-p, then min-p, then top-k filter the
+    untempered log-probabilities, and temperature scales what they leave."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off; a top_k of at least the vocabulary keeps every token
+    min_p: float = 0.0  # 0 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Row-wise sampling distribution [..., V] after temperature, top-k and top-p (float32)."""
-    scores = logits.astype(mx.float32) / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = mx.partition(scores, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
-        scores = mx.where(scores >= kth, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)
+def _sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """What mlx-lm's sampler feeds `mx.random.categorical` (T > 0): the log-probabilities, in the logits'
+    dtype, with what top-p, then min-p (keeping at least one token), then top-k remove set to -inf,
+    times 1 / temperature. The filters are mlx-lm's own functions, so ties and thresholds match."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.top_p < 1:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        desc = -mx.sort(-probs, axis=-1)
-        before = mx.cumsum(desc, axis=-1) - desc
-        cutoff = mx.min(mx.where(before < params.top_p, desc, mx.inf), axis=-1, keepdims=True)
-        probs = mx.where(probs >= cutoff, probs, 0)
-        probs = probs / mx.sum(probs, axis=-1, keepdims=True)
-    return probs
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p, 1)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temperature)
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Row-wise distribution [..., V] (float32) that `sample` draws from at T > 0."""
+    return mx.softmax(_sampling_logits(logits, params).astype(mx.float32), axis=-1)
 
 
 def sample(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One token per row of `logits` [..., V]."""
+    """One token per row of `logits` [..., V]: the argmax at T = 0, else what mlx-lm's sampler draws
+    (the same draw for the same random state)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(mx.log(probabilities(logits, params)))
+    return mx.random.categorical(_sampling_logits(logits, params))
 
 
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -8,8 +8,9 @@ the target's embeddings). All adjacent pair scores form one lattice tensor [T, k
 anchor -> row 1 scores (the same for every `a`), row t the k x k scores between rows t-1 and t. Walks:
   - greedy: prev = anchor, take the argmax of S_t(prev, .), repeat (the reference walk);
   - viterbi: the path with the maximum total score (exact max-sum dynamic programming);
-  - sampling (T > 0): draw from q_t = softmax(S_t(prev, .) / T) over the candidates; q_t is the draft
-    distribution the rejection step uses, so sampling stays lossless.
+  - sampling (T > 0): draw from q_t = `sampling.probabilities(S_t(prev, .))` over the candidates (the
+    sampler's filters, then temperature); q_t is the draft distribution the rejection step uses, so
+    sampling stays lossless.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
-"""T > 0: speculative sampling follows the target's distribution exactly (a statistical test), and the
-sampling transform (temperature, top-k, top-p) is the one both sides share."""
+"""T > 0: speculative sampling follows, exactly, the distribution mlx-lm's own sampler draws from the target
+(statistical tests), and `sample` is mlx-lm's sampler."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_target
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 import dflash2_mlx.decode as decode
 from dflash2_mlx import stream_generate
@@ -22,11 +24,33 @@ N = 1500
 ALPHA = 1e-3  # significance level of every goodness-of-fit test below
 
 
-def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
-    """P(t0, t1, t2 | PROMPT) under `params`, from full forwards of the target (no cache)."""
+def mlx_lm_probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """The distribution mlx-lm's sampler draws from, built from mlx-lm's own pieces the way its
+    `generate_step` and `make_sampler` chain them: log-probabilities, then apply_top_p, apply_min_p
+    (min_tokens_to_keep=1) and apply_top_k, then categorical(logprobs / temp) = softmax(logprobs / temp).
+    (`test_the_reference_is_mlx_lms_sampler` checks this against make_sampler's own draws.)"""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0:
+        logprobs = apply_min_p(logprobs, params.min_p, 1)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    scaled = np.array((logprobs * (1.0 / params.temperature)).astype(mx.float32), dtype=np.float64)
+    e = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def temperature_first(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """The wrong order (what dflash2 did before): mlx-lm's filters applied to the tempered distribution."""
+    return mlx_lm_probabilities(logits / params.temperature, replace(params, temperature=1.0))
+
+
+def exact_distribution(model, params: SamplingParams, rows=mlx_lm_probabilities) -> dict[tuple, float]:
+    """P(t0, t1, t2 | PROMPT) when each token is drawn from `rows(logits, params)` (by default mlx-lm's
+    sampler), from full forwards of the target (no cache)."""
     def next_probs(prefixes):
-        logits = model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1]
-        return np.array(probabilities(logits, params))
+        return rows(model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1], params)
 
     p0 = next_probs([()])[0]
     p1 = next_probs([(a,) for a in range(V)])
@@ -38,7 +62,7 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
     }
 
 
-def chi_square(samples: Counter, expected: dict[tuple, float], n: int) -> tuple[float, float]:
+def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
     """Pearson's statistic, cells with expected count < 5 pooled; returns (statistic, critical value
     at ALPHA by the Wilson-Hilferty approximation)."""
     big = {k: p * n for k, p in expected.items() if p * n >= 5}
@@ -51,6 +75,8 @@ def chi_square(samples: Counter, expected: dict[tuple, float], n: int) -> tuple[
         stat += (rest_observed - rest_expected) ** 2 / rest_expected
         cells += 1
     df = cells - 1
+    if df == 0:  # a single cell (one possible outcome): nothing for the statistic to test
+        return stat, math.inf
     z = 3.0902  # standard normal quantile at 1 - ALPHA
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat, critical
@@ -63,19 +89,20 @@ def sample_sequences(model, tokenizer, drafter, params, verify_mode, seed) -> Co
         tokens = []
         for r in stream_generate(
             model, tokenizer, PROMPT, drafter, max_tokens=3, temp=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, block_size=3, verify_mode=verify_mode,
-            eos_token_ids=[],
+            top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, block_size=3,
+            verify_mode=verify_mode, eos_token_ids=[],
         ):
             tokens += r.tokens
         counts[tuple(tokens)] += 1
     return counts
 
 
-SETTINGS = [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.8, top_k=3),
-    SamplingParams(temperature=1.3, top_p=0.8),
-]
+SETTINGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.8-topk3": SamplingParams(temperature=0.8, top_k=3),
+    "t0.7-topp0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "t0.7-minp0.2": SamplingParams(temperature=0.7, min_p=0.2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,23 +113,36 @@ def pair():
     return model, drafter
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["t1", "t0.8-topk3", "t1.3-topp0.8"])
-def test_speculative_sampling_follows_the_target(pair, tokenizer, params):
-    model, drafter = pair
+def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> None:
     expected = exact_distribution(model, params)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
     stat, critical = chi_square(counts, expected, N)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's distribution"
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not mlx-lm's sampling distribution"
     support = {k for k, p in expected.items() if p > 0}
-    assert set(counts) <= support, "sampled a sequence the filtered target can never produce"
+    assert set(counts) <= support, "sampled a sequence mlx-lm's filtered sampler can never produce"
 
 
-def test_plain_sampling_follows_the_target(pair, tokenizer):
+@pytest.mark.parametrize("name", SETTINGS)
+def test_speculative_sampling_follows_mlx_lm(pair, tokenizer, name):
+    model, drafter = pair
+    params = SETTINGS[name]
+    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1), params)
+
+
+def test_plain_sampling_follows_mlx_lm(pair, tokenizer):
     model, _ = pair
-    params = SETTINGS[0]
-    counts = sample_sequences(model, tokenizer, None, params, "off", seed=2)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
-    assert stat < critical
+    params = SETTINGS["t0.7-topp0.9"]
+    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, None, params, "off", seed=2), params)
+
+
+@pytest.mark.parametrize("name", ["t0.7-topp0.9", "t0.7-minp0.2"])
+def test_the_tests_tell_the_sampler_order_apart(pair, name):
+    """Draws from the old order (temperature, then the filters) would fail the tests above: their chi-square
+    statistic, noise aside, already exceeds the critical value."""
+    model, _ = pair
+    params = SETTINGS[name]
+    wrong = exact_distribution(model, params, temperature_first)
+    stat, critical = chi_square({k: p * N for k, p in wrong.items()}, exact_distribution(model, params), N)
+    assert stat > 2 * critical, f"{name}: chi2 {stat:.1f} vs {critical:.1f}"
 
 
 def _accept_always(drafts, draft_probs, target_logits, params):
@@ -121,24 +161,95 @@ def _resample_from_target(drafts, draft_probs, target_logits, params):
 @pytest.mark.parametrize("broken", [_accept_always, _resample_from_target])
 def test_the_test_catches_a_broken_acceptance_rule(pair, tokenizer, broken, monkeypatch):
     model, drafter = pair
-    params = SETTINGS[0]
+    params = SETTINGS["t1"]
     monkeypatch.setattr(decode, "accept_sampled", broken)
     counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
     stat, critical = chi_square(counts, exact_distribution(model, params), N)
     assert stat > critical, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
 
 
-def test_top_k_and_top_p_filter():
-    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0]])
+# -- the sampler itself is mlx-lm's ------------------------------------------------------------------------
+
+UNIT_SETTINGS = [
+    SamplingParams(0.7, top_p=0.9),
+    SamplingParams(0.8, top_k=3),
+    SamplingParams(0.7, min_p=0.1),
+    SamplingParams(1.3, top_p=0.8, top_k=5, min_p=0.05),
+    SamplingParams(1.0, top_p=0.5, min_p=0.5, top_k=2),
+    SamplingParams(1.0),
+]
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> mx.array:
+    """Logits on a grid of halves, so rows hold many exact ties for the filters' thresholds to meet."""
+    return mx.round(mx.random.normal((rows, vocab), key=mx.random.key(seed)) * 2) / 2
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS, ids=str)
+def test_sample_draws_what_mlx_lms_sampler_draws(params):
+    logits = tied_logits(64, 50, seed=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    theirs = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+    for seed in range(3):
+        mx.random.seed(seed)
+        ours = sample(logits, params).tolist()
+        mx.random.seed(seed)
+        assert ours == theirs(logprobs).tolist()
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS, ids=str)
+def test_probabilities_are_mlx_lms(params):
+    logits = tied_logits(64, 50, seed=1)
+    np.testing.assert_allclose(np.array(probabilities(logits, params)), mlx_lm_probabilities(logits, params),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS[:5], ids=str)
+def test_the_reference_is_mlx_lms_sampler(params):
+    """`mlx_lm_probabilities` (the tests' expected values) is what make_sampler draws: 200,000 draws."""
+    logits = tied_logits(3, 12, seed=2)
+    expected = mlx_lm_probabilities(logits, params)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(5)
+    draws = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)(
+        mx.tile(logprobs, (200_000 // 3, 1))).reshape(-1, 3)
+    n = draws.shape[0]
+    for row in range(3):
+        counts = Counter(np.array(draws[:, row]).tolist())
+        stat, critical = chi_square(counts, dict(enumerate(expected[row])), n)
+        assert stat < critical, f"row {row}: chi2 {stat:.1f} >= {critical:.1f}"
+        assert set(counts) <= set(np.flatnonzero(expected[row]).tolist())
+
+
+def test_filters_act_before_temperature():
+    """From the formulas (NumPy): the filters read the untempered probabilities, temperature comes last."""
+    x = np.array([2.0, 1.0, 0.5, 0.0, -1.0])
+    full = np.exp(x) / np.exp(x).sum()  # [0.563, 0.207, 0.126, 0.076, 0.028]
+    tempered = lambda keep: np.where(keep, np.exp(x / 0.5), 0) / np.exp(x / 0.5)[keep].sum()  # noqa: E731
+    logits = mx.array(x[None], dtype=mx.float32)
+    # top-p 0.8: the smallest most-likely set reaching 0.8 of the untempered mass, 3 tokens
+    # (tempering first would leave one: 0.83 at T = 0.5)
+    keep = np.cumsum(full) - full < 0.8
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, top_p=0.8)))[0], tempered(keep),
+                               rtol=1e-5)
+    # min-p 0.2: p >= 0.2 * max p untempered, 3 tokens (tempered ratios would keep one)
+    keep = full >= 0.2 * full.max()
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, min_p=0.2)))[0], tempered(keep),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5)))[0], tempered(np.ones(5, bool)),
+                               rtol=1e-5)
+
+
+def test_filter_ties():
+    """mlx-lm's tie semantics: top-p keeps every token tied with the last one it needs; top-k keeps exactly k."""
+    logits = mx.array([[1.0, 0.0, 1.0, 1.0, -1.0]])
+    p = np.array(probabilities(logits, SamplingParams(1.0, top_p=0.25)))[0]
+    np.testing.assert_allclose(p, [1 / 3, 0, 1 / 3, 1 / 3, 0], rtol=1e-5)  # 0.25 needs one (0.29); its ties stay
     p = np.array(probabilities(logits, SamplingParams(1.0, top_k=2)))[0]
-    assert (p[2:] == 0).all() and p[:2].sum() == pytest.approx(1)
-    full = np.exp([2.0, 1.0, 0.5, 0.0, -1.0])
-    full /= full.sum()
-    p = np.array(probabilities(logits, SamplingParams(1.0, top_p=0.8)))[0]
-    keep = np.cumsum(full) - full < 0.8  # smallest prefix of the sorted mass reaching 0.8
-    np.testing.assert_allclose(p, np.where(keep, full, 0) / full[keep].sum(), rtol=1e-5)
-    p = np.array(probabilities(logits, SamplingParams(0.5)))[0]
-    np.testing.assert_allclose(p, np.exp([4, 2, 1, 0, -2]) / np.exp([4, 2, 1, 0, -2]).sum(), rtol=1e-5)
+    assert np.count_nonzero(p) == 2 and set(np.flatnonzero(p)) <= {0, 2, 3}
+    np.testing.assert_allclose(p[p > 0], [0.5, 0.5], rtol=1e-5)
+    p = np.array(probabilities(logits, SamplingParams(1.0, top_k=5)))[0]  # top_k >= vocabulary: no filter
+    assert np.count_nonzero(p) == 5
 
 
 def test_greedy_sample_is_argmax():
@@ -146,9 +257,18 @@ def test_greedy_sample_is_argmax():
     assert sample(logits, SamplingParams()).tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)])
-def test_bad_sampling_params(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.5), "top_k must be an integer >= 0"),
+])
+def test_bad_sampling_params(kw, message):
+    with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
 
 
@@ -162,12 +282,11 @@ def pair2():
     return model, drafter
 
 
-def test_dflash2_sampling_follows_the_target(pair2, tokenizer):
+def test_dflash2_sampling_follows_mlx_lm(pair2, tokenizer):
+    """With top-p, q is zero on some of the selector's candidates too."""
     model, drafter = pair2
-    params = SETTINGS[0]
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's distribution"
+    params = SETTINGS["t0.7-topp0.9"]
+    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3), params)
 
 
 def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
@@ -176,7 +295,7 @@ def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
     from dflash2_mlx.selector import walk_sampled
 
     model, drafter = pair2
-    params = SETTINGS[0]
+    params = SETTINGS["t1"]
 
     def wrong_q(lattice, params, vocab):
         idx, q = walk_sampled(lattice, params, vocab)
