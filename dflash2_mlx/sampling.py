@@ -1,4 +1,4 @@
-"""Logits -> tokens, and the acceptance rules that keep speculative decoding lossless.
+"""Logits -> tokens, and the acceptance rule that keeps speculative decoding lossless.
 
 Everything here stays on the device: the decode loop reads back one small array per cycle.
 `sample` is mlx-lm's sampler (`mlx_lm.sample_utils.make_sampler`) and `probabilities` the distribution it
@@ -9,6 +9,7 @@ the distribution mlx-lm's own sampler draws from the target.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -68,6 +69,35 @@ def sample(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.random.categorical(_sampling_logits(logits, params))
 
 
+class Proposal(NamedTuple):
+    """A drafter's block: its n draft tokens and, at T > 0, the distribution each was drawn from, given
+    sparsely: row i puts probability probs[i, j] on token candidates[i, j] (ids unique within a row) and
+    none on any other token. A dense q is candidates = arange(V) on every row."""
+
+    tokens: mx.array  # [n] draft tokens
+    candidates: mx.array | None  # [n, k] token ids of each row's draft distribution (T > 0 only)
+    probs: mx.array | None  # [n, k] their probabilities (T > 0 only)
+    finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
+
+
+def accept(proposal: Proposal, target_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """The acceptance step of one cycle: (accepted count, bonus token), both scalars on the device.
+
+    target_logits [n+1, V] are the verify rows of [anchor, drafts]. The committed tokens are the first
+    `accepted` drafts and then the bonus; they follow the target's distribution exactly (its argmax at
+    T = 0). A proposal with non-finite draft logits is rejected outright, so the cycle commits the
+    target's own token at row 0, which is what the rule draws for row 0 anyway: no extra work.
+    """
+    if params.greedy:
+        # No argmax equals V: a non-finite proposal gets accepted = 0 and row 0's argmax.
+        drafts = mx.where(proposal.finite, proposal.tokens, target_logits.shape[-1])
+        return accept_greedy(drafts, target_logits)
+    if proposal.probs is None:
+        raise ValueError("sampling (T > 0) needs the proposal's draft distribution (candidates and probs); "
+                         "propose the drafts with the same SamplingParams")
+    return accept_sampled(proposal, target_logits, params)
+
+
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """T = 0: accept the longest prefix of `drafts` [B-1] equal to the target's argmax; the bonus
     token is the target's argmax right after it. Returns (accepted count, bonus), both scalars.
@@ -80,20 +110,24 @@ def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
 
 
 def accept_sampled(
-    drafts: mx.array, draft_probs: mx.array, target_logits: mx.array, params: SamplingParams
+    proposal: Proposal, target_logits: mx.array, params: SamplingParams
 ) -> tuple[mx.array, mx.array]:
-    """T > 0: speculative rejection sampling (Leviathan et al. / Chen et al.).
+    """T > 0: speculative rejection sampling (Leviathan et al. / Chen et al.) against a sparse q.
 
     Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); the first rejected row is resampled
-    from normalize(max(p - q, 0)), and if every draft is kept the bonus comes from the last target row.
-    The committed tokens then follow the target's distribution p exactly.
+    from normalize(max(p - q, 0)), where q is non-zero only at the row's candidates, and if every draft
+    is kept the bonus comes from the last target row. The committed tokens then follow p exactly.
+    A non-finite proposal keeps nothing and counts as q = 0, so row 0's residual is p itself.
     """
-    p = probabilities(target_logits, params)  # [B, V]
-    rows = mx.arange(drafts.shape[0])
-    p_d, q_d = p[rows, drafts], draft_probs[rows, drafts]
-    keep = mx.random.uniform(shape=q_d.shape) * q_d < p_d
+    p = probabilities(target_logits, params)  # [n+1, V]
+    drafts, ids = proposal.tokens, proposal.candidates
+    q = mx.where(proposal.finite, proposal.probs, 0)  # [n, k]
+    p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
+    q_d = mx.sum(mx.where(ids == drafts[:, None], q, 0), axis=-1)
+    keep = proposal.finite & (mx.random.uniform(shape=q_d.shape) * q_d < p_d)
     accepted = mx.sum(mx.cumprod(keep.astype(mx.int32)))
-    residual = mx.maximum(p[:-1] - draft_probs, 0)
+    at_ids = mx.maximum(mx.take_along_axis(p[:-1], ids, axis=-1) - q, 0)
+    residual = mx.put_along_axis(p[:-1], ids, at_ids, axis=-1)  # p - q, where q is zero off its ids
     mass = mx.sum(residual, axis=-1, keepdims=True)
     # A zero residual (p == q on the support) can only be reached by rounding; p itself is then exact.
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:-1])

@@ -126,14 +126,15 @@ def walk_viterbi(lat: Lattice) -> mx.array:
     return mx.stack(idx[::-1])
 
 
-def walk_sampled(lat: Lattice, params: SamplingParams, vocab: int) -> tuple[mx.array, mx.array]:
-    """Sample the path row by row; returns (indices [T], dense draft probabilities q [T, V])."""
+def walk_sampled(lat: Lattice, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """Sample the path row by row; returns (indices [T], draft probabilities q [T, k] of each row's
+    candidates: the sparse q that acceptance takes with `lat.candidates`)."""
     idx, q_rows, prev = [], [], 0
     for t in range(lat.candidates.shape[0]):
         q = probabilities(lat.scores[t, prev], params)
         prev = mx.random.categorical(mx.log(q))
         idx.append(prev)
-        q_rows.append(mx.zeros((vocab,), mx.float32).at[lat.candidates[t]].add(q))
+        q_rows.append(q)
     return mx.stack(idx), mx.stack(q_rows)
 
 

@@ -1,5 +1,6 @@
 """T > 0: speculative sampling follows, exactly, the distribution mlx-lm's own sampler draws from the target
-(statistical tests), and `sample` is mlx-lm's sampler."""
+(statistical tests), `sample` is mlx-lm's sampler, and the acceptance step takes the drafter's sparse
+proposal."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_target
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-import dflash2_mlx.decode as decode
+import dflash2_mlx.sampling as sampling
 from dflash2_mlx import stream_generate
-from dflash2_mlx.sampling import SamplingParams, probabilities, sample
+from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
 
 V = 4  # vocabulary: 4^3 = 64 possible 3-token continuations
 PROMPT = [3, 1, 2]
@@ -145,15 +146,17 @@ def test_the_tests_tell_the_sampler_order_apart(pair, name):
     assert stat > 2 * critical, f"{name}: chi2 {stat:.1f} vs {critical:.1f}"
 
 
-def _accept_always(drafts, draft_probs, target_logits, params):
-    return mx.array(drafts.shape[0]), sample(target_logits[-1], params)
+def _accept_always(proposal, target_logits, params):
+    return mx.array(proposal.tokens.shape[0]), sample(target_logits[-1], params)
 
 
-def _resample_from_target(drafts, draft_probs, target_logits, params):
+def _resample_from_target(proposal, target_logits, params):
     """Right acceptance test, wrong correction: resampling from p instead of max(p - q, 0)."""
     p = probabilities(target_logits, params)
-    rows = mx.arange(drafts.shape[0])
-    keep = mx.random.uniform(shape=drafts.shape) * draft_probs[rows, drafts] < p[rows, drafts]
+    drafts = proposal.tokens
+    q_d = mx.sum(mx.where(proposal.candidates == drafts[:, None], proposal.probs, 0), axis=-1)
+    p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
+    keep = mx.random.uniform(shape=q_d.shape) * q_d < p_d
     accepted = mx.sum(mx.cumprod(keep.astype(mx.int32)))
     return accepted, mx.random.categorical(mx.log(p))[accepted]
 
@@ -162,7 +165,7 @@ def _resample_from_target(drafts, draft_probs, target_logits, params):
 def test_the_test_catches_a_broken_acceptance_rule(pair, tokenizer, broken, monkeypatch):
     model, drafter = pair
     params = SETTINGS["t1"]
-    monkeypatch.setattr(decode, "accept_sampled", broken)
+    monkeypatch.setattr(sampling, "accept_sampled", broken)
     counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
     stat, critical = chi_square(counts, exact_distribution(model, params), N)
     assert stat > critical, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
@@ -272,6 +275,88 @@ def test_bad_sampling_params(kw, message):
         SamplingParams(**kw)
 
 
+# -- the acceptance step on sparse proposals ---------------------------------------------------------------
+
+def first_tokens(proposal_for, target_logits: mx.array, params: SamplingParams, n: int, seed: int):
+    """The first committed token of n cycles, and their accepted counts: the cycle commits the
+    accepted drafts, then the bonus."""
+    mx.random.seed(seed)
+    out = []
+    for _ in range(n):
+        proposal = proposal_for()
+        accepted, bonus = accept(proposal, target_logits, params)
+        out.append(mx.stack([accepted, bonus.astype(mx.int32), proposal.tokens[0].astype(mx.int32)]))
+    rows = np.array(mx.stack(out))
+    return np.where(rows[:, 0] > 0, rows[:, 2], rows[:, 1]), rows[:, 0]
+
+
+def draw_from(candidates: mx.array, probs: mx.array, finite: bool = True):
+    """A proposal drawn from the sparse q (candidates, probs), as a drafter draws one."""
+    def proposal():
+        idx = mx.random.categorical(mx.log(probs))
+        tokens = mx.take_along_axis(candidates, idx[:, None], axis=-1)[:, 0]
+        return Proposal(tokens, candidates, probs, mx.array(finite))
+    return proposal
+
+
+SPARSE_V = 8
+SPARSE_TARGET = mx.array(np.random.default_rng(0).normal(size=(3, SPARSE_V)) * 1.5, dtype=mx.float32)
+# A draft vocabulary of 3 ids per row, in no particular order, with a q far from the target's p.
+SPARSE_IDS = mx.array([[6, 1, 3], [0, 7, 2]])
+SPARSE_Q = mx.array([[0.7, 0.1, 0.2], [0.5, 0.25, 0.25]])
+
+
+def test_sparse_proposal_keeps_the_target_distribution():
+    """Drafts from a subset of the vocabulary (q zero outside it): the first committed token still
+    follows mlx-lm's distribution of the target's row 0, including the tokens q never proposes and
+    (filtered out by top-p) a candidate the target never draws."""
+    n, params = 2000, SamplingParams(0.7, top_p=0.9)
+    tokens, accepted = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+    assert 0 < (accepted > 0).mean() < 1  # both the kept and the resampled branch were exercised
+
+
+def test_sparse_proposal_test_catches_a_dense_reading_of_q(monkeypatch):
+    """The same test fails when q is read as if its candidates were ids 0..k-1."""
+    n, params = 2000, SamplingParams(0.7, top_p=0.9)
+    dense_ids = mx.broadcast_to(mx.arange(3), SPARSE_IDS.shape)
+    real = sampling.accept_sampled
+    monkeypatch.setattr(sampling, "accept_sampled",
+                        lambda prop, logits, params: real(prop._replace(candidates=dense_ids), logits, params))
+    tokens, _ = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat > critical, f"a misplaced q passed: chi2 {stat:.1f} < {critical:.1f}"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["greedy", "t1"])
+@pytest.mark.parametrize("q", [1.0, math.nan], ids=["finite-q", "nan-q"])
+def test_non_finite_proposal_commits_the_targets_own_token(params, q):
+    """finite=False: nothing is accepted (even drafts the target likes, whatever q says) and the bonus
+    is drawn from the target's row 0 alone."""
+    n = 1500 if not params.greedy else 20
+    likes = mx.argmax(SPARSE_TARGET[:2], axis=-1)  # drafts the target would accept at T = 0
+    ids = mx.stack([likes, (likes + 1) % SPARSE_V], axis=1)
+    probs = mx.array([[q, 1 - q], [q, 1 - q]])
+    proposal = lambda: Proposal(likes, ids, probs, mx.array(False))  # noqa: E731
+    tokens, accepted = first_tokens(proposal, SPARSE_TARGET, params, n, seed=1)
+    assert (accepted == 0).all()
+    if params.greedy:
+        assert set(tokens.tolist()) == {int(likes[0])}
+        return
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's row-0 distribution"
+
+
+def test_sampling_needs_the_draft_distribution():
+    greedy = Proposal(mx.array([1, 2]), None, None, mx.array(True))
+    with pytest.raises(ValueError, match="needs the proposal's draft distribution"):
+        accept(greedy, SPARSE_TARGET, SamplingParams(1.0))
+
+
 # -- DFlash 2: the selector's sparse q (top-3 of 4 tokens) is the draft distribution ---------------------
 
 
@@ -297,9 +382,9 @@ def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
     model, drafter = pair2
     params = SETTINGS["t1"]
 
-    def wrong_q(lattice, params, vocab):
-        idx, q = walk_sampled(lattice, params, vocab)
-        return idx, mx.softmax(mx.where(q > 0, 0.0, -mx.inf), axis=-1)  # uniform over the candidates
+    def wrong_q(lattice, params):
+        idx, q = walk_sampled(lattice, params)
+        return idx, mx.full(q.shape, 1 / q.shape[-1])  # uniform over the candidates
 
     monkeypatch.setattr(drafter_module, "walk_sampled", wrong_q)
     counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
