@@ -1,6 +1,6 @@
 """T > 0: speculative sampling follows, exactly, the distribution mlx-lm's own sampler draws from the target
-(statistical tests), `sample` is mlx-lm's sampler, and the acceptance step takes the drafter's sparse
-proposal."""
+(statistical tests through the decode loop), `sample` is mlx-lm's sampler, and the acceptance step takes
+the drafter's sparse proposal."""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ from conftest import make_dflash2_drafter, make_drafter, make_target
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 import dflash2_mlx.sampling as sampling
-from dflash2_mlx import stream_generate
+from dflash2_mlx.decode import dflash_steps, plain_steps
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
+from dflash2_mlx.target import Target
 
 V = 4  # vocabulary: 4^3 = 64 possible 3-token continuations
 PROMPT = [3, 1, 2]
 N = 1500
+N_BROKEN = 500  # a broken rule fails with a third of the samples (chi2 5-100x the critical value), so the
+# tests above, with N, catch it too
 ALPHA = 1e-3  # significance level of every goodness-of-fit test below
 
 
@@ -83,18 +87,24 @@ def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
     return stat, critical
 
 
-def sample_sequences(model, tokenizer, drafter, params, verify_mode, seed) -> Counter:
+def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int, n: int = N) -> Counter:
+    """n draws of the 3 tokens after PROMPT straight from the decode loop: speculative with `drafter`
+    (block size 3), plain decoding without."""
     mx.random.seed(seed)
+    prompt = mx.array(PROMPT, dtype=mx.uint32)
     counts = Counter()
-    for _ in range(N):
+    for _ in range(n):
+        if drafter is None:
+            steps = plain_steps(target, prompt, params)
+        else:
+            steps = dflash_steps(target, drafter, prompt, params, block_size=3, max_tokens=3)
         tokens = []
-        for r in stream_generate(
-            model, tokenizer, PROMPT, drafter, max_tokens=3, temp=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, min_p=params.min_p, block_size=3,
-            verify_mode=verify_mode, eos_token_ids=[],
-        ):
-            tokens += r.tokens
-        counts[tuple(tokens)] += 1
+        for step in steps:
+            tokens += step.tokens
+            if len(tokens) >= 3:
+                break
+        steps.close()
+        counts[tuple(tokens[:3])] += 1
     return counts
 
 
@@ -111,7 +121,7 @@ def pair():
     model = make_target("llama", vocab=V, seed=21)
     # A drafter with sharp, wrong opinions: drafts are often rejected, so the residual matters.
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
-    return model, drafter
+    return model, drafter, bind_drafter(drafter, model)
 
 
 def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> None:
@@ -123,23 +133,23 @@ def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> Non
 
 
 @pytest.mark.parametrize("name", SETTINGS)
-def test_speculative_sampling_follows_mlx_lm(pair, tokenizer, name):
-    model, drafter = pair
+def test_speculative_sampling_follows_mlx_lm(pair, name):
+    model, drafter, target = pair
     params = SETTINGS[name]
-    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1), params)
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=1), params)
 
 
-def test_plain_sampling_follows_mlx_lm(pair, tokenizer):
-    model, _ = pair
+def test_plain_sampling_follows_mlx_lm(pair):
+    model, _, _ = pair
     params = SETTINGS["t0.7-topp0.9"]
-    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, None, params, "off", seed=2), params)
+    assert_follows_mlx_lm(model, sample_sequences(Target(model), None, params, seed=2), params)
 
 
 @pytest.mark.parametrize("name", ["t0.7-topp0.9", "t0.7-minp0.2"])
 def test_the_tests_tell_the_sampler_order_apart(pair, name):
     """Draws from the old order (temperature, then the filters) would fail the tests above: their chi-square
     statistic, noise aside, already exceeds the critical value."""
-    model, _ = pair
+    model, _, _ = pair
     params = SETTINGS[name]
     wrong = exact_distribution(model, params, temperature_first)
     stat, critical = chi_square({k: p * N for k, p in wrong.items()}, exact_distribution(model, params), N)
@@ -162,12 +172,12 @@ def _resample_from_target(proposal, target_logits, params):
 
 
 @pytest.mark.parametrize("broken", [_accept_always, _resample_from_target])
-def test_the_test_catches_a_broken_acceptance_rule(pair, tokenizer, broken, monkeypatch):
-    model, drafter = pair
+def test_the_test_catches_a_broken_acceptance_rule(pair, broken, monkeypatch):
+    model, drafter, target = pair
     params = SETTINGS["t1"]
     monkeypatch.setattr(sampling, "accept_sampled", broken)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    counts = sample_sequences(target, drafter, params, seed=1, n=N_BROKEN)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
     assert stat > critical, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
 
 
@@ -364,22 +374,22 @@ def test_sampling_needs_the_draft_distribution():
 def pair2():
     model = make_target("llama", vocab=V, seed=21)
     drafter = make_dflash2_drafter(model, block_size=4, seed=5, output_multiplier=4.0, selector_top_k=3)
-    return model, drafter
+    return model, drafter, bind_drafter(drafter, model)
 
 
-def test_dflash2_sampling_follows_mlx_lm(pair2, tokenizer):
+def test_dflash2_sampling_follows_mlx_lm(pair2):
     """With top-p, q is zero on some of the selector's candidates too."""
-    model, drafter = pair2
+    model, drafter, target = pair2
     params = SETTINGS["t0.7-topp0.9"]
-    assert_follows_mlx_lm(model, sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3), params)
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=3), params)
 
 
-def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
+def test_dflash2_test_catches_a_wrong_q(pair2, monkeypatch):
     """Sampling along the selector's path but reporting a uniform q over its candidates breaks it."""
     import dflash2_mlx.drafter as drafter_module
     from dflash2_mlx.selector import walk_sampled
 
-    model, drafter = pair2
+    model, drafter, target = pair2
     params = SETTINGS["t1"]
 
     def wrong_q(lattice, params):
@@ -387,6 +397,6 @@ def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
         return idx, mx.full(q.shape, 1 / q.shape[-1])  # uniform over the candidates
 
     monkeypatch.setattr(drafter_module, "walk_sampled", wrong_q)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    counts = sample_sequences(target, drafter, params, seed=3, n=N_BROKEN)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
     assert stat > critical, f"a wrong q passed: chi2 {stat:.1f} < {critical:.1f}"
