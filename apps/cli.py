@@ -27,8 +27,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="0 = off; as in mlx-lm, top-p, min-p and top-k filter before temperature applies")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None,
@@ -125,6 +127,7 @@ def _run_generate(args) -> int:
         temp=args.temp,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         block_size=args.block_size,
         verify_mode=args.verify_mode,

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
-from .sampling import SamplingParams, accept_greedy, accept_sampled, sample
+from .sampling import SamplingParams, accept, sample
 from .target import Capture, Target
 
 
@@ -73,19 +73,14 @@ def dflash_steps(
                 continue
             # Draft: one drafter pass proposes B-1 tokens from [anchor, mask * (B-1)].
             block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])
-            drafts, draft_probs, finite = drafter.propose(block[None], context[None], draft_cache, params, walk)
+            proposal = drafter.propose(block[None], context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
-            verified = tap.verify(mx.concatenate([anchor.reshape(1), drafts]), cache)
-            if params.greedy:
-                accepted, bonus = accept_greedy(drafts, verified.logits)
-            else:
-                accepted, bonus = accept_sampled(drafts, draft_probs, verified.logits, params)
-            # Non-finite draft logits (e.g. an fp16 drafter overflowing): commit one plain-decoding token.
-            accepted = mx.where(finite, accepted, 0)
-            bonus = mx.where(finite, bonus, sample(verified.logits[0], params))
+            verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
+            # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
+            accepted, bonus = accept(proposal, verified.logits, params)
             # The only device -> host transfer of the cycle.
-            head = mx.stack([accepted, bonus.astype(accepted.dtype), finite.astype(accepted.dtype)])
-            result = mx.concatenate([head, drafts.astype(accepted.dtype)]).tolist()
+            head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
+            result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()
             a, bonus_id = result[0], result[1]
             tap.rollback(cache, verified, a + 1)
             context = verified.features[: a + 1]  # features of the anchor and the accepted drafts only

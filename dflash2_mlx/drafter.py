@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
-from .sampling import SamplingParams, probabilities
+from .sampling import Proposal, SamplingParams, probabilities
 from .selector import WALKS, CandidateSelector, lattice_of, scored_path, walk_sampled
 from .short_conv import DynamicShortConv
 
@@ -172,12 +172,6 @@ class DecoderLayer(nn.Module):
         return h + self._sublayer(self.mlp, self.post_attention_layernorm(h), self.mlp_conv)
 
 
-class Proposal(NamedTuple):
-    tokens: mx.array  # [B-1] draft tokens
-    probs: mx.array | None  # [B-1, V] the distribution they were drawn from (T > 0 only)
-    finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
-
-
 class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
     trained or quantized as part of the drafter; with the logit settings in force (see `bind`)."""
@@ -258,15 +252,18 @@ class DFlashDraftModel(nn.Module):
         """Draft logits for rows 1..B-1 of the block: [1, B-1, V]."""
         return self.draft_rows(block, context, cache)[1][None]
 
+    def check_walk(self, walk: str) -> None:
+        if walk not in WALKS:
+            raise ValueError(f"unknown path walk {walk!r}; choose one of {WALKS}")
+        if walk != "greedy" and not self.config.is_dflash2:
+            raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
+
     def propose(
         self, block: mx.array, context: mx.array, cache: list[KVCache], params: SamplingParams,
         walk: str = "greedy",
     ) -> Proposal:
         """Draft tokens for rows 1..B-1 of `block` [1, B] (see `hidden` for the other arguments)."""
-        if walk not in WALKS:
-            raise ValueError(f"unknown path walk {walk!r}; choose one of {WALKS}")
-        if walk != "greedy" and not self.config.is_dflash2:
-            raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
+        self.check_walk(walk)
         hidden, logits = self.draft_rows(block, context, cache)
         return self.choose(hidden, logits, block[0, 0], params, walk)
 
@@ -278,12 +275,14 @@ class DFlashDraftModel(nn.Module):
         finite = mx.all(mx.isfinite(logits))
         if not self.config.is_dflash2:
             if params.greedy:
-                return Proposal(mx.argmax(logits, axis=-1), None, finite)
-            q = probabilities(logits, params)
-            return Proposal(mx.random.categorical(mx.log(q)), q, finite)
+                return Proposal(mx.argmax(logits, axis=-1), None, None, finite)
+            q = probabilities(logits, params)  # dense: its candidates are the whole vocabulary
+            every_id = mx.broadcast_to(mx.arange(q.shape[-1]), q.shape)
+            return Proposal(mx.random.categorical(mx.log(q)), every_id, q, finite)
         inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed)
         if params.greedy:
             idx, q = scored_path(inputs, walk)[1], None
         else:
-            idx, q = walk_sampled(lattice_of(inputs), params, self._target.vocab_size)
-        return Proposal(mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0], q, finite)
+            idx, q = walk_sampled(lattice_of(inputs), params)
+        tokens = mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0]
+        return Proposal(tokens, None if q is None else inputs.candidates, q, finite)

@@ -115,6 +115,7 @@ def stream_generate(
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     block_size: int | None = None,
     verify_mode: str = "adaptive",
@@ -128,6 +129,10 @@ def stream_generate(
     default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
     this machine's measured costs and the acceptance seen so far, plain steps included.
 
+    temp, top_p, top_k, min_p: mlx-lm's sampler (`make_sampler`): top-p, min-p and top-k filter the
+    untempered log-probabilities, then temperature applies; temp 0 is greedy. At T > 0 the tokens follow
+    the distribution mlx-lm's own sampler draws from the target, speculative or not.
+
     walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
     the records then say verify_mode "off".
@@ -140,7 +145,7 @@ def stream_generate(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    params = SamplingParams(temp, top_p, top_k)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = _encode(tokenizer, prompt)
     if seed is not None:
@@ -155,6 +160,7 @@ def stream_generate(
             f"({target.vocab_size}): was it encoded with another model's tokenizer?"
         )
     if verify_mode != "off":
+        drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
         steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk)
     else:

@@ -1,61 +1,101 @@
-"""Logits -> tokens, and the acceptance rules that keep speculative decoding lossless.
+"""Logits -> tokens, and the acceptance rule that keeps speculative decoding lossless.
 
 Everything here stays on the device: the decode loop reads back one small array per cycle.
-Both the drafter and the target go through `probabilities`, so temperature, top-k and top-p shape both
-sides the same way and rejection sampling reproduces the target's *filtered* distribution exactly.
+`sample` is mlx-lm's sampler (`mlx_lm.sample_utils.make_sampler`) and `probabilities` the distribution it
+draws from. Both the drafter and the target go through them, so rejection sampling reproduces exactly
+the distribution mlx-lm's own sampler draws from the target.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import kernels
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    """mlx-lm's sampler settings. As in `make_sampler`, top-p, then min-p, then top-k filter the
+    untempered log-probabilities, and temperature scales what they leave."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off; a top_k of at least the vocabulary keeps every token
+    min_p: float = 0.0  # 0 = off
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Row-wise sampling distribution [..., V] after temperature, top-k and top-p (float32)."""
-    scores = logits.astype(mx.float32) / params.temperature
-    vocab = scores.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = mx.partition(scores, vocab - params.top_k, axis=-1)[..., vocab - params.top_k, None]
-        scores = mx.where(scores >= kth, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)
+def _sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """What mlx-lm's sampler feeds `mx.random.categorical` (T > 0): the log-probabilities, in the logits'
+    dtype, with what top-p, then min-p (keeping at least one token), then top-k remove set to -inf,
+    times 1 / temperature. The filters are mlx-lm's own functions, so ties and thresholds match."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if params.top_p < 1:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        desc = -mx.sort(-probs, axis=-1)
-        before = mx.cumsum(desc, axis=-1) - desc
-        cutoff = mx.min(mx.where(before < params.top_p, desc, mx.inf), axis=-1, keepdims=True)
-        probs = mx.where(probs >= cutoff, probs, 0)
-        probs = probs / mx.sum(probs, axis=-1, keepdims=True)
-    return probs
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p, 1)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temperature)
+
+
+def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Row-wise distribution [..., V] (float32) that `sample` draws from at T > 0."""
+    return mx.softmax(_sampling_logits(logits, params).astype(mx.float32), axis=-1)
 
 
 def sample(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One token per row of `logits` [..., V]."""
+    """One token per row of `logits` [..., V]: the argmax at T = 0, else what mlx-lm's sampler draws
+    (the same draw for the same random state)."""
     if params.greedy:
         return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(mx.log(probabilities(logits, params)))
+    return mx.random.categorical(_sampling_logits(logits, params))
+
+
+class Proposal(NamedTuple):
+    """A drafter's block: its n draft tokens and, at T > 0, the distribution each was drawn from, given
+    sparsely: row i puts probability probs[i, j] on token candidates[i, j] (ids unique within a row) and
+    none on any other token. A dense q is candidates = arange(V) on every row."""
+
+    tokens: mx.array  # [n] draft tokens
+    candidates: mx.array | None  # [n, k] token ids of each row's draft distribution (T > 0 only)
+    probs: mx.array | None  # [n, k] their probabilities (T > 0 only)
+    finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
+
+
+def accept(proposal: Proposal, target_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """The acceptance step of one cycle: (accepted count, bonus token), both scalars on the device.
+
+    target_logits [n+1, V] are the verify rows of [anchor, drafts]. The committed tokens are the first
+    `accepted` drafts and then the bonus; they follow the target's distribution exactly (its argmax at
+    T = 0). A proposal with non-finite draft logits is rejected outright, so the cycle commits the
+    target's own token at row 0, which is what the rule draws for row 0 anyway: no extra work.
+    """
+    if params.greedy:
+        # No argmax equals V: a non-finite proposal gets accepted = 0 and row 0's argmax.
+        drafts = mx.where(proposal.finite, proposal.tokens, target_logits.shape[-1])
+        return accept_greedy(drafts, target_logits)
+    if proposal.probs is None:
+        raise ValueError("sampling (T > 0) needs the proposal's draft distribution (candidates and probs); "
+                         "propose the drafts with the same SamplingParams")
+    return accept_sampled(proposal, target_logits, params)
 
 
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -70,20 +110,24 @@ def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
 
 
 def accept_sampled(
-    drafts: mx.array, draft_probs: mx.array, target_logits: mx.array, params: SamplingParams
+    proposal: Proposal, target_logits: mx.array, params: SamplingParams
 ) -> tuple[mx.array, mx.array]:
-    """T > 0: speculative rejection sampling (Leviathan et al. / Chen et al.).
+    """T > 0: speculative rejection sampling (Leviathan et al. / Chen et al.) against a sparse q.
 
     Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); the first rejected row is resampled
-    from normalize(max(p - q, 0)), and if every draft is kept the bonus comes from the last target row.
-    The committed tokens then follow the target's distribution p exactly.
+    from normalize(max(p - q, 0)), where q is non-zero only at the row's candidates, and if every draft
+    is kept the bonus comes from the last target row. The committed tokens then follow p exactly.
+    A non-finite proposal keeps nothing and counts as q = 0, so row 0's residual is p itself.
     """
-    p = probabilities(target_logits, params)  # [B, V]
-    rows = mx.arange(drafts.shape[0])
-    p_d, q_d = p[rows, drafts], draft_probs[rows, drafts]
-    keep = mx.random.uniform(shape=q_d.shape) * q_d < p_d
+    p = probabilities(target_logits, params)  # [n+1, V]
+    drafts, ids = proposal.tokens, proposal.candidates
+    q = mx.where(proposal.finite, proposal.probs, 0)  # [n, k]
+    p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
+    q_d = mx.sum(mx.where(ids == drafts[:, None], q, 0), axis=-1)
+    keep = proposal.finite & (mx.random.uniform(shape=q_d.shape) * q_d < p_d)
     accepted = mx.sum(mx.cumprod(keep.astype(mx.int32)))
-    residual = mx.maximum(p[:-1] - draft_probs, 0)
+    at_ids = mx.maximum(mx.take_along_axis(p[:-1], ids, axis=-1) - q, 0)
+    residual = mx.put_along_axis(p[:-1], ids, at_ids, axis=-1)  # p - q, where q is zero off its ids
     mass = mx.sum(residual, axis=-1, keepdims=True)
     # A zero residual (p == q on the support) can only be reached by rounding; p itself is then exact.
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:-1])

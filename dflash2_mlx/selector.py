@@ -8,8 +8,9 @@ the target's embeddings). All adjacent pair scores form one lattice tensor [T, k
 anchor -> row 1 scores (the same for every `a`), row t the k x k scores between rows t-1 and t. Walks:
   - greedy: prev = anchor, take the argmax of S_t(prev, .), repeat (the reference walk);
   - viterbi: the path with the maximum total score (exact max-sum dynamic programming);
-  - sampling (T > 0): draw from q_t = softmax(S_t(prev, .) / T) over the candidates; q_t is the draft
-    distribution the rejection step uses, so sampling stays lossless.
+  - sampling (T > 0): draw from q_t = `sampling.probabilities(S_t(prev, .))` over the candidates (the
+    sampler's filters, then temperature); q_t is the draft distribution the rejection step uses, so
+    sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -125,14 +126,15 @@ def walk_viterbi(lat: Lattice) -> mx.array:
     return mx.stack(idx[::-1])
 
 
-def walk_sampled(lat: Lattice, params: SamplingParams, vocab: int) -> tuple[mx.array, mx.array]:
-    """Sample the path row by row; returns (indices [T], dense draft probabilities q [T, V])."""
+def walk_sampled(lat: Lattice, params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """Sample the path row by row; returns (indices [T], draft probabilities q [T, k] of each row's
+    candidates: the sparse q that acceptance takes with `lat.candidates`)."""
     idx, q_rows, prev = [], [], 0
     for t in range(lat.candidates.shape[0]):
         q = probabilities(lat.scores[t, prev], params)
         prev = mx.random.categorical(mx.log(q))
         idx.append(prev)
-        q_rows.append(mx.zeros((vocab,), mx.float32).at[lat.candidates[t]].add(q))
+        q_rows.append(q)
     return mx.stack(idx), mx.stack(q_rows)
 
 

@@ -8,7 +8,7 @@ import time
 import mlx.core as mx
 import pytest
 
-import dflash2_mlx.decode as decode
+import dflash2_mlx.sampling as sampling
 from dflash2_apps.bench import accepted_per_cycle
 from dflash2_apps.cli import main
 from dflash2_mlx.prompts import load_suite
@@ -84,7 +84,7 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     def broken_accept(drafts, target_logits):  # accepts every draft, right or wrong
         return mx.array(drafts.shape[0]), mx.argmax(target_logits[-1])
 
-    monkeypatch.setattr(decode, "accept_greedy", broken_accept)
+    monkeypatch.setattr(sampling, "accept_greedy", broken_accept)
     code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
                  "--json", str(tmp_path / "b.json")])
     report = json.loads((tmp_path / "b.json").read_text())

@@ -73,6 +73,7 @@ def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
         (("--draft-model", "/no/such/drafter"), "'/no/such/drafter' is neither an existing path"),
         (("--draft-model", "{drafter}", "--block-size", "12"), "block size 12 is outside 2..8"),
         (("--draft-model", "{drafter}", "--top-p", "2"), "top_p must be in (0, 1]"),
+        (("--draft-model", "{drafter}", "--min-p", "1.5"), "min_p must be in [0, 1] (0 = off), got 1.5"),
     ],
 )
 def test_errors_are_one_clear_line(tiny_pair, capsys, args, message):

@@ -177,6 +177,8 @@ def test_bad_arguments(tokenizer):
         run(model, tokenizer, [7, 300], drafter)
     with pytest.raises(ValueError, match="top_p"):
         run(model, tokenizer, [7], drafter, temp=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
+        run(model, tokenizer, [7], drafter, temp=1.0, min_p=-0.5)
 
 
 def test_generation_leaves_the_target_untouched(tokenizer):

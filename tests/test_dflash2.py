@@ -207,13 +207,16 @@ def test_viterbi_needs_a_selector(tokenizer):
         generate(model, tokenizer, [1, 2], make_drafter(model), walk="viterbi", max_tokens=4)
 
 
-def test_non_finite_drafts_fall_back_to_plain_decoding(tokenizer):
+@pytest.mark.parametrize("sampling", [{}, dict(temp=0.8, top_k=1)], ids=["greedy", "sampled-top1"])
+def test_non_finite_drafts_fall_back_to_plain_decoding(tokenizer, sampling):
+    """Both acceptance paths; top-k 1 makes T > 0 deterministic, so the outputs compare token by token."""
     model = make_target("qwen3", seed=3)
     drafter = make_dflash2_drafter(model)
     drafter.layers[0].mlp.down_proj.weight = drafter.layers[0].mlp.down_proj.weight * mx.nan
     plain = generate(model, tokenizer, [4, 5, 6], None, verify_mode="off", max_tokens=12, eos_token_ids=[])
     with pytest.warns(RuntimeWarning, match="non-finite logits"):
-        spec = generate(model, tokenizer, [4, 5, 6], drafter, verify_mode="dflash", max_tokens=12, eos_token_ids=[])
+        spec = generate(model, tokenizer, [4, 5, 6], drafter, verify_mode="dflash", max_tokens=12, eos_token_ids=[],
+                        **sampling)
     assert spec.tokens == plain.tokens
     assert spec.draft_failures == spec.cycles == 11 and spec.accepted == [0] * 11
 

@@ -11,6 +11,7 @@ from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_oracl
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from dflash2_mlx import generate, stream_generate
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 
@@ -85,8 +86,8 @@ def test_speculative_sampling_follows_a_hybrid_target(tokenizer):
 
     model = make_hybrid("qwen3_5", vocab=V, seed=21)
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
-    params = SETTINGS[0]
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=4)
+    params = SETTINGS["t0.7-topp0.9"]
+    counts = sample_sequences(bind_drafter(drafter, model), drafter, params, seed=4)
     stat, critical = chi_square(counts, exact_distribution(model, params), N)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
     assert set(map(len, counts)) == {3}

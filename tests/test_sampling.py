@@ -1,32 +1,62 @@
-"""T > 0: speculative sampling follows the target's distribution exactly (a statistical test), and the
-sampling transform (temperature, top-k, top-p) is the one both sides share."""
+"""T > 0: speculative sampling follows, exactly, the distribution mlx-lm's own sampler draws from the target
+(statistical tests through the decode loop), `sample` is mlx-lm's sampler, and the acceptance step takes
+the drafter's sparse proposal."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections import Counter
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_target
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-import dflash2_mlx.decode as decode
-from dflash2_mlx import stream_generate
-from dflash2_mlx.sampling import SamplingParams, probabilities, sample
+import dflash2_mlx.sampling as sampling
+from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from dflash2_mlx.decode import dflash_steps, plain_steps
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
+from dflash2_mlx.target import Target
 
 V = 4  # vocabulary: 4^3 = 64 possible 3-token continuations
 PROMPT = [3, 1, 2]
 N = 1500
+N_BROKEN = 500  # a broken rule fails with a third of the samples (chi2 5-100x the critical value), so the
+# tests above, with N, catch it too
 ALPHA = 1e-3  # significance level of every goodness-of-fit test below
 
 
-def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
-    """P(t0, t1, t2 | PROMPT) under `params`, from full forwards of the target (no cache)."""
+def mlx_lm_probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """The distribution mlx-lm's sampler draws from, built from mlx-lm's own pieces the way its
+    `generate_step` and `make_sampler` chain them: log-probabilities, then apply_top_p, apply_min_p
+    (min_tokens_to_keep=1) and apply_top_k, then categorical(logprobs / temp) = softmax(logprobs / temp).
+    (`test_the_reference_is_mlx_lms_sampler` checks this against make_sampler's own draws.)"""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0:
+        logprobs = apply_min_p(logprobs, params.min_p, 1)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    scaled = np.array((logprobs * (1.0 / params.temperature)).astype(mx.float32), dtype=np.float64)
+    e = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def temperature_first(logits: mx.array, params: SamplingParams) -> np.ndarray:
+    """The wrong order (what dflash2 did before): mlx-lm's filters applied to the tempered distribution."""
+    return mlx_lm_probabilities(logits / params.temperature, replace(params, temperature=1.0))
+
+
+def exact_distribution(model, params: SamplingParams, rows=mlx_lm_probabilities) -> dict[tuple, float]:
+    """P(t0, t1, t2 | PROMPT) when each token is drawn from `rows(logits, params)` (by default mlx-lm's
+    sampler), from full forwards of the target (no cache)."""
     def next_probs(prefixes):
-        logits = model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1]
-        return np.array(probabilities(logits, params))
+        return rows(model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1], params)
 
     p0 = next_probs([()])[0]
     p1 = next_probs([(a,) for a in range(V)])
@@ -38,7 +68,7 @@ def exact_distribution(model, params: SamplingParams) -> dict[tuple, float]:
     }
 
 
-def chi_square(samples: Counter, expected: dict[tuple, float], n: int) -> tuple[float, float]:
+def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
     """Pearson's statistic, cells with expected count < 5 pooled; returns (statistic, critical value
     at ALPHA by the Wilson-Hilferty approximation)."""
     big = {k: p * n for k, p in expected.items() if p * n >= 5}
@@ -51,31 +81,47 @@ def chi_square(samples: Counter, expected: dict[tuple, float], n: int) -> tuple[
         stat += (rest_observed - rest_expected) ** 2 / rest_expected
         cells += 1
     df = cells - 1
+    if df == 0:  # a single cell (one possible outcome): nothing for the statistic to test
+        return stat, math.inf
     z = 3.0902  # standard normal quantile at 1 - ALPHA
     critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat, critical
 
 
-def sample_sequences(model, tokenizer, drafter, params, verify_mode, seed) -> Counter:
+def adaptive_blocks():
+    """Adaptive mode that mixes both paths inside 3 tokens: a plain step, a probe cycle, then its own choice
+    (costs that make drafting look cheap, so it keeps drafting while drafts are accepted)."""
+    return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, probe_block=2, timing_steps=1)
+
+
+def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int, n: int = N,
+                     blocks=lambda: FixedBlocks(3)) -> Counter:
+    """n draws of the 3 tokens after PROMPT straight from the decode loop: speculative with `drafter`
+    (block size 3, or as `blocks()` decides), plain decoding without."""
     mx.random.seed(seed)
+    prompt = mx.array(PROMPT, dtype=mx.uint32)
     counts = Counter()
-    for _ in range(N):
+    for _ in range(n):
+        if drafter is None:
+            steps = plain_steps(target, prompt, params)
+        else:
+            steps = dflash_steps(target, drafter, prompt, params, blocks(), max_tokens=3)
         tokens = []
-        for r in stream_generate(
-            model, tokenizer, PROMPT, drafter, max_tokens=3, temp=params.temperature,
-            top_p=params.top_p, top_k=params.top_k, block_size=3, verify_mode=verify_mode,
-            eos_token_ids=[],
-        ):
-            tokens += r.tokens
-        counts[tuple(tokens)] += 1
+        for step in steps:
+            tokens += step.tokens
+            if len(tokens) >= 3:
+                break
+        steps.close()
+        counts[tuple(tokens[:3])] += 1
     return counts
 
 
-SETTINGS = [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.8, top_k=3),
-    SamplingParams(temperature=1.3, top_p=0.8),
-]
+SETTINGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.8-topk3": SamplingParams(temperature=0.8, top_k=3),
+    "t0.7-topp0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "t0.7-minp0.2": SamplingParams(temperature=0.7, min_p=0.2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,62 +129,155 @@ def pair():
     model = make_target("llama", vocab=V, seed=21)
     # A drafter with sharp, wrong opinions: drafts are often rejected, so the residual matters.
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
-    return model, drafter
+    return model, drafter, bind_drafter(drafter, model)
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["t1", "t0.8-topk3", "t1.3-topp0.8"])
-def test_speculative_sampling_follows_the_target(pair, tokenizer, params):
-    model, drafter = pair
+def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> None:
     expected = exact_distribution(model, params)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
     stat, critical = chi_square(counts, expected, N)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's distribution"
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not mlx-lm's sampling distribution"
     support = {k for k, p in expected.items() if p > 0}
-    assert set(counts) <= support, "sampled a sequence the filtered target can never produce"
+    assert set(counts) <= support, "sampled a sequence mlx-lm's filtered sampler can never produce"
 
 
-def test_plain_sampling_follows_the_target(pair, tokenizer):
-    model, _ = pair
-    params = SETTINGS[0]
-    counts = sample_sequences(model, tokenizer, None, params, "off", seed=2)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
-    assert stat < critical
+@pytest.mark.parametrize("name", SETTINGS)
+def test_speculative_sampling_follows_mlx_lm(pair, name):
+    model, drafter, target = pair
+    params = SETTINGS[name]
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=1), params)
 
 
-def _accept_always(drafts, draft_probs, target_logits, params):
-    return mx.array(drafts.shape[0]), sample(target_logits[-1], params)
+def test_adaptive_sampling_follows_mlx_lm(pair):
+    """Adaptive mode switches between plain steps and cycles mid-sequence, on what was accepted so far."""
+    model, drafter, target = pair
+    params = SETTINGS["t0.7-topp0.9"]
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=5, blocks=adaptive_blocks), params)
 
 
-def _resample_from_target(drafts, draft_probs, target_logits, params):
+def test_plain_sampling_follows_mlx_lm(pair):
+    model, _, _ = pair
+    params = SETTINGS["t0.7-topp0.9"]
+    assert_follows_mlx_lm(model, sample_sequences(Target(model), None, params, seed=2), params)
+
+
+@pytest.mark.parametrize("name", ["t0.7-topp0.9", "t0.7-minp0.2"])
+def test_the_tests_tell_the_sampler_order_apart(pair, name):
+    """Draws from the old order (temperature, then the filters) would fail the tests above: their chi-square
+    statistic, noise aside, already exceeds the critical value."""
+    model, _, _ = pair
+    params = SETTINGS[name]
+    wrong = exact_distribution(model, params, temperature_first)
+    stat, critical = chi_square({k: p * N for k, p in wrong.items()}, exact_distribution(model, params), N)
+    assert stat > 2 * critical, f"{name}: chi2 {stat:.1f} vs {critical:.1f}"
+
+
+def _accept_always(proposal, target_logits, params):
+    return mx.array(proposal.tokens.shape[0]), sample(target_logits[-1], params)
+
+
+def _resample_from_target(proposal, target_logits, params):
     """Right acceptance test, wrong correction: resampling from p instead of max(p - q, 0)."""
     p = probabilities(target_logits, params)
-    rows = mx.arange(drafts.shape[0])
-    keep = mx.random.uniform(shape=drafts.shape) * draft_probs[rows, drafts] < p[rows, drafts]
+    drafts = proposal.tokens
+    q_d = mx.sum(mx.where(proposal.candidates == drafts[:, None], proposal.probs, 0), axis=-1)
+    p_d = mx.take_along_axis(p[:-1], drafts[:, None], axis=-1)[:, 0]
+    keep = mx.random.uniform(shape=q_d.shape) * q_d < p_d
     accepted = mx.sum(mx.cumprod(keep.astype(mx.int32)))
     return accepted, mx.random.categorical(mx.log(p))[accepted]
 
 
 @pytest.mark.parametrize("broken", [_accept_always, _resample_from_target])
-def test_the_test_catches_a_broken_acceptance_rule(pair, tokenizer, broken, monkeypatch):
-    model, drafter = pair
-    params = SETTINGS[0]
-    monkeypatch.setattr(decode, "accept_sampled", broken)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=1)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+def test_the_test_catches_a_broken_acceptance_rule(pair, broken, monkeypatch):
+    model, drafter, target = pair
+    params = SETTINGS["t1"]
+    monkeypatch.setattr(sampling, "accept_sampled", broken)
+    counts = sample_sequences(target, drafter, params, seed=1, n=N_BROKEN)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
     assert stat > critical, f"a broken rule passed: chi2 {stat:.1f} < {critical:.1f}"
 
 
-def test_top_k_and_top_p_filter():
-    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0]])
+# -- the sampler itself is mlx-lm's ------------------------------------------------------------------------
+
+UNIT_SETTINGS = [
+    SamplingParams(0.7, top_p=0.9),
+    SamplingParams(0.8, top_k=3),
+    SamplingParams(0.7, min_p=0.1),
+    SamplingParams(1.3, top_p=0.8, top_k=5, min_p=0.05),
+    SamplingParams(1.0, top_p=0.5, min_p=0.5, top_k=2),
+    SamplingParams(1.0),
+]
+
+
+def tied_logits(rows: int, vocab: int, seed: int) -> mx.array:
+    """Logits on a grid of halves, so rows hold many exact ties for the filters' thresholds to meet."""
+    return mx.round(mx.random.normal((rows, vocab), key=mx.random.key(seed)) * 2) / 2
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS, ids=str)
+def test_sample_draws_what_mlx_lms_sampler_draws(params):
+    logits = tied_logits(64, 50, seed=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    theirs = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
+    for seed in range(3):
+        mx.random.seed(seed)
+        ours = sample(logits, params).tolist()
+        mx.random.seed(seed)
+        assert ours == theirs(logprobs).tolist()
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS, ids=str)
+def test_probabilities_are_mlx_lms(params):
+    logits = tied_logits(64, 50, seed=1)
+    np.testing.assert_allclose(np.array(probabilities(logits, params)), mlx_lm_probabilities(logits, params),
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("params", UNIT_SETTINGS[:5], ids=str)
+def test_the_reference_is_mlx_lms_sampler(params):
+    """`mlx_lm_probabilities` (the tests' expected values) is what make_sampler draws: 200,000 draws."""
+    logits = tied_logits(3, 12, seed=2)
+    expected = mlx_lm_probabilities(logits, params)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(5)
+    draws = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)(
+        mx.tile(logprobs, (200_000 // 3, 1))).reshape(-1, 3)
+    n = draws.shape[0]
+    for row in range(3):
+        counts = Counter(np.array(draws[:, row]).tolist())
+        stat, critical = chi_square(counts, dict(enumerate(expected[row])), n)
+        assert stat < critical, f"row {row}: chi2 {stat:.1f} >= {critical:.1f}"
+        assert set(counts) <= set(np.flatnonzero(expected[row]).tolist())
+
+
+def test_filters_act_before_temperature():
+    """From the formulas (NumPy): the filters read the untempered probabilities, temperature comes last."""
+    x = np.array([2.0, 1.0, 0.5, 0.0, -1.0])
+    full = np.exp(x) / np.exp(x).sum()  # [0.563, 0.207, 0.126, 0.076, 0.028]
+    tempered = lambda keep: np.where(keep, np.exp(x / 0.5), 0) / np.exp(x / 0.5)[keep].sum()  # noqa: E731
+    logits = mx.array(x[None], dtype=mx.float32)
+    # top-p 0.8: the smallest most-likely set reaching 0.8 of the untempered mass, 3 tokens
+    # (tempering first would leave one: 0.83 at T = 0.5)
+    keep = np.cumsum(full) - full < 0.8
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, top_p=0.8)))[0], tempered(keep),
+                               rtol=1e-5)
+    # min-p 0.2: p >= 0.2 * max p untempered, 3 tokens (tempered ratios would keep one)
+    keep = full >= 0.2 * full.max()
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, min_p=0.2)))[0], tempered(keep),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5)))[0], tempered(np.ones(5, bool)),
+                               rtol=1e-5)
+
+
+def test_filter_ties():
+    """mlx-lm's tie semantics: top-p keeps every token tied with the last one it needs; top-k keeps exactly k."""
+    logits = mx.array([[1.0, 0.0, 1.0, 1.0, -1.0]])
+    p = np.array(probabilities(logits, SamplingParams(1.0, top_p=0.25)))[0]
+    np.testing.assert_allclose(p, [1 / 3, 0, 1 / 3, 1 / 3, 0], rtol=1e-5)  # 0.25 needs one (0.29); its ties stay
     p = np.array(probabilities(logits, SamplingParams(1.0, top_k=2)))[0]
-    assert (p[2:] == 0).all() and p[:2].sum() == pytest.approx(1)
-    full = np.exp([2.0, 1.0, 0.5, 0.0, -1.0])
-    full /= full.sum()
-    p = np.array(probabilities(logits, SamplingParams(1.0, top_p=0.8)))[0]
-    keep = np.cumsum(full) - full < 0.8  # smallest prefix of the sorted mass reaching 0.8
-    np.testing.assert_allclose(p, np.where(keep, full, 0) / full[keep].sum(), rtol=1e-5)
-    p = np.array(probabilities(logits, SamplingParams(0.5)))[0]
-    np.testing.assert_allclose(p, np.exp([4, 2, 1, 0, -2]) / np.exp([4, 2, 1, 0, -2]).sum(), rtol=1e-5)
+    assert np.count_nonzero(p) == 2 and set(np.flatnonzero(p)) <= {0, 2, 3}
+    np.testing.assert_allclose(p[p > 0], [0.5, 0.5], rtol=1e-5)
+    p = np.array(probabilities(logits, SamplingParams(1.0, top_k=5)))[0]  # top_k >= vocabulary: no filter
+    assert np.count_nonzero(p) == 5
 
 
 def test_greedy_sample_is_argmax():
@@ -146,10 +285,101 @@ def test_greedy_sample_is_argmax():
     assert sample(logits, SamplingParams()).tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)])
-def test_bad_sampling_params(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.5), "top_k must be an integer >= 0"),
+])
+def test_bad_sampling_params(kw, message):
+    with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
+
+
+# -- the acceptance step on sparse proposals ---------------------------------------------------------------
+
+def first_tokens(proposal_for, target_logits: mx.array, params: SamplingParams, n: int, seed: int):
+    """The first committed token of n cycles, and their accepted counts: the cycle commits the
+    accepted drafts, then the bonus."""
+    mx.random.seed(seed)
+    out = []
+    for _ in range(n):
+        proposal = proposal_for()
+        accepted, bonus = accept(proposal, target_logits, params)
+        out.append(mx.stack([accepted, bonus.astype(mx.int32), proposal.tokens[0].astype(mx.int32)]))
+    rows = np.array(mx.stack(out))
+    return np.where(rows[:, 0] > 0, rows[:, 2], rows[:, 1]), rows[:, 0]
+
+
+def draw_from(candidates: mx.array, probs: mx.array, finite: bool = True):
+    """A proposal drawn from the sparse q (candidates, probs), as a drafter draws one."""
+    def proposal():
+        idx = mx.random.categorical(mx.log(probs))
+        tokens = mx.take_along_axis(candidates, idx[:, None], axis=-1)[:, 0]
+        return Proposal(tokens, candidates, probs, mx.array(finite))
+    return proposal
+
+
+SPARSE_V = 8
+SPARSE_TARGET = mx.array(np.random.default_rng(0).normal(size=(3, SPARSE_V)) * 1.5, dtype=mx.float32)
+# A draft vocabulary of 3 ids per row, in no particular order, with a q far from the target's p.
+SPARSE_IDS = mx.array([[6, 1, 3], [0, 7, 2]])
+SPARSE_Q = mx.array([[0.7, 0.1, 0.2], [0.5, 0.25, 0.25]])
+
+
+def test_sparse_proposal_keeps_the_target_distribution():
+    """Drafts from a subset of the vocabulary (q zero outside it): the first committed token still
+    follows mlx-lm's distribution of the target's row 0, including the tokens q never proposes and
+    (filtered out by top-p) a candidate the target never draws."""
+    n, params = 2000, SamplingParams(0.7, top_p=0.9)
+    tokens, accepted = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+    assert 0 < (accepted > 0).mean() < 1  # both the kept and the resampled branch were exercised
+
+
+def test_sparse_proposal_test_catches_a_dense_reading_of_q(monkeypatch):
+    """The same test fails when q is read as if its candidates were ids 0..k-1."""
+    n, params = 2000, SamplingParams(0.7, top_p=0.9)
+    dense_ids = mx.broadcast_to(mx.arange(3), SPARSE_IDS.shape)
+    real = sampling.accept_sampled
+    monkeypatch.setattr(sampling, "accept_sampled",
+                        lambda prop, logits, params: real(prop._replace(candidates=dense_ids), logits, params))
+    tokens, _ = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat > critical, f"a misplaced q passed: chi2 {stat:.1f} < {critical:.1f}"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["greedy", "t1"])
+@pytest.mark.parametrize("q", [1.0, math.nan], ids=["finite-q", "nan-q"])
+def test_non_finite_proposal_commits_the_targets_own_token(params, q):
+    """finite=False: nothing is accepted (even drafts the target likes, whatever q says) and the bonus
+    is drawn from the target's row 0 alone."""
+    n = 1500 if not params.greedy else 20
+    likes = mx.argmax(SPARSE_TARGET[:2], axis=-1)  # drafts the target would accept at T = 0
+    ids = mx.stack([likes, (likes + 1) % SPARSE_V], axis=1)
+    probs = mx.array([[q, 1 - q], [q, 1 - q]])
+    proposal = lambda: Proposal(likes, ids, probs, mx.array(False))  # noqa: E731
+    tokens, accepted = first_tokens(proposal, SPARSE_TARGET, params, n, seed=1)
+    assert (accepted == 0).all()
+    if params.greedy:
+        assert set(tokens.tolist()) == {int(likes[0])}
+        return
+    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's row-0 distribution"
+
+
+def test_sampling_needs_the_draft_distribution():
+    greedy = Proposal(mx.array([1, 2]), None, None, mx.array(True))
+    with pytest.raises(ValueError, match="needs the proposal's draft distribution"):
+        accept(greedy, SPARSE_TARGET, SamplingParams(1.0))
 
 
 # -- DFlash 2: the selector's sparse q (top-3 of 4 tokens) is the draft distribution ---------------------
@@ -159,30 +389,29 @@ def test_bad_sampling_params(kw):
 def pair2():
     model = make_target("llama", vocab=V, seed=21)
     drafter = make_dflash2_drafter(model, block_size=4, seed=5, output_multiplier=4.0, selector_top_k=3)
-    return model, drafter
+    return model, drafter, bind_drafter(drafter, model)
 
 
-def test_dflash2_sampling_follows_the_target(pair2, tokenizer):
-    model, drafter = pair2
-    params = SETTINGS[0]
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's distribution"
+def test_dflash2_sampling_follows_mlx_lm(pair2):
+    """With top-p, q is zero on some of the selector's candidates too."""
+    model, drafter, target = pair2
+    params = SETTINGS["t0.7-topp0.9"]
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=3), params)
 
 
-def test_dflash2_test_catches_a_wrong_q(pair2, tokenizer, monkeypatch):
+def test_dflash2_test_catches_a_wrong_q(pair2, monkeypatch):
     """Sampling along the selector's path but reporting a uniform q over its candidates breaks it."""
     import dflash2_mlx.drafter as drafter_module
     from dflash2_mlx.selector import walk_sampled
 
-    model, drafter = pair2
-    params = SETTINGS[0]
+    model, drafter, target = pair2
+    params = SETTINGS["t1"]
 
-    def wrong_q(lattice, params, vocab):
-        idx, q = walk_sampled(lattice, params, vocab)
-        return idx, mx.softmax(mx.where(q > 0, 0.0, -mx.inf), axis=-1)  # uniform over the candidates
+    def wrong_q(lattice, params):
+        idx, q = walk_sampled(lattice, params)
+        return idx, mx.full(q.shape, 1 / q.shape[-1])  # uniform over the candidates
 
     monkeypatch.setattr(drafter_module, "walk_sampled", wrong_q)
-    counts = sample_sequences(model, tokenizer, drafter, params, "dflash", seed=3)
-    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    counts = sample_sequences(target, drafter, params, seed=3, n=N_BROKEN)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
     assert stat > critical, f"a wrong q passed: chi2 {stat:.1f} < {critical:.1f}"
