@@ -295,7 +295,8 @@ def render(report: dict, console=None) -> str:
     return "\n".join(md) + "\n"
 
 
-def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool) -> list[Method]:
+def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
+                walks: tuple[str, ...] = ("greedy", "viterbi")) -> list[Method]:
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
         methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
@@ -306,8 +307,7 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
             from dflash2_mlx.generate import resolve_block_size
 
             B = resolve_block_size(drafter, B)
-            walks = ("greedy", "viterbi") if drafter.config.is_dflash2 else ("greedy",)
-            for walk in walks:
+            for walk in walks if drafter.config.is_dflash2 else ("greedy",):
                 name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
                 methods.append(Method(name, "dflash", drafter, B, walk, label))
     if classic:

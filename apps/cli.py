@@ -51,6 +51,7 @@ def _generate_parser(sub) -> None:
         "--draft-quant", metavar="SPEC",
         help="quantize the drafter at load, oMLX style: w{bits}a{act}:gs{group}, e.g. w4a16:gs64",
     )
+    _add_draft_vocab_args(p)
     p.add_argument(
         "--draft-dtype", choices=["bfloat16", "float32"],
         help="drafter compute dtype (default: float32 on CPU, the stored dtype on Metal; float16 is refused)",
@@ -112,6 +113,8 @@ def _run_generate(args) -> int:
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         draft_quant=args.draft_quant,
+        draft_vocab=args.draft_vocab,
+        draft_vocab_counts=args.draft_vocab_counts,
     )
     if not args.ignore_chat_template and tokenizer.has_chat_template:
         prompt = tokenizer.apply_chat_template(
@@ -136,11 +139,21 @@ def _run_generate(args) -> int:
         prefill_step_size=args.prefill_step_size,
     )
     if args.json:
-        extra = {"path": args.path, "draft_quant": args.draft_quant, "runtime": runtime_info()}
+        vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
+        extra = {"path": args.path, "draft_quant": args.draft_quant, "draft_vocab": vocab, "runtime": runtime_info()}
         print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(_summary(result), file=sys.stderr)
     return 0
+
+
+def _add_draft_vocab_args(p) -> None:
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft only among the N most frequent tokens of --draft-vocab-counts (the drafter's LM head "
+                   "shrinks to N rows; verification keeps the whole vocabulary, output stays the target's)")
+    p.add_argument("--draft-vocab-counts", metavar="PATH",
+                   help="frequency table for --draft-vocab: a `dflash2 data` folder of this target or a .npy of "
+                   "counts per token id (default: the drafter folder's token_counts.npy)")
 
 
 def _convert_parser(sub) -> None:
@@ -160,6 +173,7 @@ def _convert_parser(sub) -> None:
     p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--activation-bits", type=int, default=16, choices=[16, 32],
                    help="compute dtype of the quantized drafter at run time: 16 = bfloat16, 32 = float32")
+    _add_draft_vocab_args(p)
     p.set_defaults(run=_run_convert)
 
 
@@ -174,7 +188,8 @@ def _run_convert(args) -> int:
         out = convert_gguf(args.hf_path, args.mlx_path, args.dtype)
     else:
         quant = DraftQuant(args.q_bits, args.activation_bits, args.q_group_size) if args.quantize else None
-        out = convert(args.hf_path, args.mlx_path, args.dtype or "bfloat16", quant, args.force_float16)
+        out = convert(args.hf_path, args.mlx_path, args.dtype or "bfloat16", quant, args.force_float16,
+                      draft_vocab=args.draft_vocab, vocab_counts=args.draft_vocab_counts)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -220,11 +235,15 @@ def _data_parser(sub) -> None:
 
 
 def _run_data(args) -> int:
+    import numpy as np
+
     from dflash2_mlx.train.data import DataSettings, build, read_shards
+    from dflash2_mlx.vocab import COUNTS_FILE, token_counts
 
     settings = DataSettings(args.model, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens,
                             args.temp, args.seed, args.batch_size)
     out = build(args.out, settings)
+    np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
     samples = read_shards(out)
     held = sum(s.heldout for s in samples)
     tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
@@ -304,6 +323,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
+    p.add_argument("--walk", action="append", choices=["greedy", "viterbi"],
+                   help="DFlash 2 path walks to bench (repeatable; default both)")
     p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
     p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
     p.add_argument("--compare", metavar="FILE",
@@ -351,7 +372,7 @@ def _run_bench(args) -> int:
         if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
     ]
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
-    methods = methods_for(drafters, sizes, classic is not None)
+    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")))
     report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {

@@ -176,9 +176,11 @@ class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
     trained or quantized as part of the drafter; with the logit settings in force (see `bind`)."""
 
-    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int, multiplier: float, softcap: float | None):
+    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int, multiplier: float, softcap: float | None,
+                 vocab_ids: mx.array | None = None, vocab_rows: mx.array | None = None):
         self.embed, self.lm_head, self.embed_scale, self.vocab_size = embed, lm_head, embed_scale, vocab_size
         self.multiplier, self.softcap = multiplier, softcap
+        self.vocab_ids, self.vocab_rows = vocab_ids, vocab_rows  # the draft vocabulary and its LM-head rows
 
 
 class DFlashDraftModel(nn.Module):
@@ -195,20 +197,24 @@ class DFlashDraftModel(nn.Module):
                 dim, config.selector_rank, config.selector_top_k, config.vocab_size, config.selector_factorized
             )
         self._target: _TargetParts | None = None
+        self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
 
     def bind(
         self, embed, lm_head, vocab_size: int, embed_scale: float = 1.0,
         output_multiplier: float = 1.0, final_logit_softcapping: float | None = None,
+        draft_vocab: tuple[mx.array, mx.array] | None = None,
     ) -> "DFlashDraftModel":
         """Use the target's embedding and LM head (both stay frozen and owned by the target). `embed_scale`,
         `output_multiplier` and `final_logit_softcapping` are the target's own (see `target.output_head`):
         the block's embeddings are scaled as the target scales its own (times the config's
-        `input_embedding_scale`), and a logit setting the drafter's config leaves unset is the target's."""
+        `input_embedding_scale`), and a logit setting the drafter's config leaves unset is the target's.
+        `draft_vocab`: (token ids [n], their LM-head rows [n, D]) when drafts come from a draft vocabulary."""
         cfg = self.config
         multiplier = cfg.output_multiplier if cfg.output_multiplier is not None else output_multiplier
         softcap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else final_logit_softcapping
         self._target = _TargetParts(
-            embed, lm_head, embed_scale * cfg.input_embedding_scale, vocab_size, float(multiplier), softcap or None
+            embed, lm_head, embed_scale * cfg.input_embedding_scale, vocab_size, float(multiplier), softcap or None,
+            *(draft_vocab or (None, None)),
         )
         return self
 
@@ -244,9 +250,18 @@ class DFlashDraftModel(nn.Module):
         return logits
 
     def draft_rows(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> tuple[mx.array, mx.array]:
-        """(normed hidden [B-1, D], logits [B-1, V]) of the draft rows 1..B-1 of `block` [1, B]."""
+        """(normed hidden [B-1, D], logits [B-1, V]) of the draft rows 1..B-1 of `block` [1, B]; with a draft
+        vocabulary, logits [B-1, n] over its n tokens (`draft_ids` maps their indices to token ids)."""
         hidden = self.hidden(block, context, cache)[0, 1:]
-        return hidden, self.logits(hidden)
+        return hidden, self.draft_logits(hidden)
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """Logits of `hidden` over what the drafter may propose: its draft vocabulary, else every token."""
+        return self.logits(hidden, self._target.vocab_rows)
+
+    def draft_ids(self, indices: mx.array) -> mx.array:
+        """Token ids of indices into `draft_rows`' logits (themselves without a draft vocabulary)."""
+        return indices if self._target.vocab_ids is None else self._target.vocab_ids[indices]
 
     def __call__(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> mx.array:
         """Draft logits for rows 1..B-1 of the block: [1, B-1, V]."""
@@ -270,16 +285,18 @@ class DFlashDraftModel(nn.Module):
     def choose(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"
     ) -> Proposal:
-        """The drafts of one block from its rows' hidden [B-1, D] and logits [B-1, V]: argmax or samples
-        (v1), or a walk over the path selector's lattice (DFlash 2)."""
+        """The drafts of one block from its rows' hidden [B-1, D] and logits [B-1, V] (over the draft
+        vocabulary, if any: `draft_logits`): argmax or samples (v1), or a walk over the path selector's lattice
+        (DFlash 2)."""
         finite = mx.all(mx.isfinite(logits))
         if not self.config.is_dflash2:
             if params.greedy:
-                return Proposal(mx.argmax(logits, axis=-1), None, None, finite)
-            q = probabilities(logits, params)  # dense: its candidates are the whole vocabulary
-            every_id = mx.broadcast_to(mx.arange(q.shape[-1]), q.shape)
-            return Proposal(mx.random.categorical(mx.log(q)), every_id, q, finite)
-        inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed)
+                return Proposal(self.draft_ids(mx.argmax(logits, axis=-1)), None, None, finite)
+            q = probabilities(logits, params)  # dense: its candidates are every token it may draft
+            candidates = mx.broadcast_to(self.draft_ids(mx.arange(q.shape[-1])), q.shape)
+            return Proposal(self.draft_ids(mx.random.categorical(mx.log(q))), candidates, q, finite)
+        inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed,
+                                                        self._target.vocab_ids)
         if params.greedy:
             idx, q = scored_path(inputs, walk)[1], None
         else:

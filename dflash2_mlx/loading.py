@@ -15,6 +15,7 @@ from .checkpoints.quantize import DraftQuant, quantize_drafter
 from .config import DraftConfig
 from .drafter import DFlashDraftModel
 from .target import Target
+from .vocab import COUNTS_FILE, check_ids, most_frequent, read_counts, read_draft_vocab
 
 def resolve_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face hub id, fetched (or found in the local hub cache)."""
@@ -55,13 +56,18 @@ def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
 
 
 def load_drafter(
-    path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None
+    path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None,
+    draft_vocab: int | None = None, vocab_counts: str | Path | None = None,
 ) -> DFlashDraftModel:
     """A drafter folder: a published Hugging Face layout (DFlash v1, DFlash 2, Muse-style; config.json +
     safetensors, no embedding or LM head: the target lends them, see `DFlashDraftModel.bind`) or an MLX
     folder written by `dflash2 convert` (possibly quantized). `quant` quantizes it at load (oMLX's draft
-    quantization); see `drafter_dtype` for `dtype`."""
-    path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
+    quantization); see `drafter_dtype` for `dtype`.
+
+    The drafter proposes only tokens of its draft vocabulary (`vocab.py`): the one stored in the folder, or
+    with `draft_vocab` N, the N most frequent tokens of `vocab_counts` (a `dflash2 data` folder or a .npy of
+    counts; default: the folder's own `token_counts.npy`)."""
+    path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.npy"])
     config = DraftConfig.from_path(path)
     raw = json.loads((path / "config.json").read_text())
     weights = hf.read_weights(path)
@@ -96,6 +102,16 @@ def load_drafter(
             quantize_drafter(model, quant)
     mx.eval(model.parameters())
     model.eval()
+    model.draft_vocab = read_draft_vocab(path)
+    if draft_vocab is not None:
+        source = vocab_counts if vocab_counts is not None else path / COUNTS_FILE
+        if vocab_counts is None and not Path(source).is_file():
+            raise FileNotFoundError(
+                f"--draft-vocab {draft_vocab} needs a frequency table: {path} has no {COUNTS_FILE}; pass "
+                "--draft-vocab-counts (a `dflash2 data` folder of this target, or a .npy of counts per token id)"
+            )
+        counts = read_counts(source, config.vocab_size)
+        model.draft_vocab = most_frequent(counts, draft_vocab, config.vocab_size or counts.size)
     return model
 
 
@@ -118,8 +134,12 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
             f"drafter mask_token_id {cfg.mask_token_id} is outside the target's embedding table "
             f"(vocabulary {target.vocab_size})"
         )
+    vocab = None
+    if drafter.draft_vocab is not None:
+        ids = mx.array(check_ids(drafter.draft_vocab, "the drafter's draft vocabulary", target.vocab_size))
+        vocab = (ids, target.head_rows(ids).astype(drafter.norm.weight.dtype))
     drafter.bind(target.embed_tokens, target.lm_head, target.vocab_size, target.embed_scale,
-                 target.logit_multiplier, target.logit_softcap)
+                 target.logit_multiplier, target.logit_softcap, vocab)
     return target
 
 
@@ -160,10 +180,13 @@ def load(
     dtype: str | None = None,
     draft_dtype: str | None = None,
     draft_quant: DraftQuant | str | None = None,
+    draft_vocab: int | None = None,
+    draft_vocab_counts: str | None = None,
     **kwargs,
 ):
     """Load a target (see `load_target`) and, optionally, a DFlash drafter bound to it (see
-    `load_drafter`; `draft_quant` may be a spec string like "w4a16:gs64").
+    `load_drafter`; `draft_quant` may be a spec string like "w4a16:gs64"; `draft_vocab` N keeps the N most
+    frequent tokens of `draft_vocab_counts` as the drafter's draft vocabulary).
 
     Returns (model, tokenizer, drafter) with drafter None when `draft_model` is None.
     """
@@ -172,6 +195,6 @@ def load(
     if draft_model is not None:
         if isinstance(draft_quant, str):
             draft_quant = DraftQuant.parse(draft_quant)
-        drafter = load_drafter(draft_model, draft_dtype, draft_quant)
+        drafter = load_drafter(draft_model, draft_dtype, draft_quant, draft_vocab, draft_vocab_counts)
         bind_drafter(drafter, target_model)
     return target_model, tokenizer, drafter

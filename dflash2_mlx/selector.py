@@ -70,13 +70,17 @@ class CandidateSelector(nn.Module):
             return self.successor_projection(embed(ids))
         return self.successor_codebook(ids)
 
-    def lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None) -> LatticeInputs:
-        """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id."""
+    def lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None,
+                       ids: mx.array | None = None) -> LatticeInputs:
+        """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id. With a
+        draft vocabulary, logits [T, n] are over its token ids `ids` [n]."""
         k = min(self.top_k, logits.shape[-1])
         top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
         unary = mx.take_along_axis(logits, top, axis=-1)
         order = mx.argsort(-unary, axis=-1)  # best first: ties then break the same way on every backend
         candidates = mx.take_along_axis(top, order, axis=-1)
+        if ids is not None:
+            candidates = ids[candidates]
         unary = mx.take_along_axis(unary, order, axis=-1).astype(mx.float32)
         h = self.hidden_projection(hidden).astype(mx.float32)  # [T, R]
         # predecessors of row t: the anchor for t = 0 (whatever a), else the candidates of row t-1

@@ -15,7 +15,6 @@ from conftest import HIDDEN, make_drafter, make_hybrid, make_model, make_target,
 
 from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.target import Target
-from dflash2_mlx.train.trainer import lm_head_rows
 
 TOKENS = mx.array([[5, 9, 33, 2, 200, 17, 250, 64]])
 _COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
@@ -98,7 +97,7 @@ def test_drafter_logits_are_the_targets_own(kind):
         raw = np.array(Target(model).lm_head(hidden).astype(mx.float32))
         assert np.abs(raw - expected).max() > 0.1
     ids = mx.array([3, 17, 64, 200, 255])
-    reduced = drafter.logits(hidden, lm_head_rows(Target(model), ids)).astype(mx.float32)
+    reduced = drafter.logits(hidden, Target(model).head_rows(ids)).astype(mx.float32)
     np.testing.assert_allclose(np.array(reduced), expected[..., np.array(ids)], atol=1e-4, rtol=1e-5)
 
 

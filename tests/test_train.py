@@ -25,7 +25,7 @@ from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, r
 from dflash2_mlx.train.features import FeatureCache
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.trainer import (
-    Trainer, TrainSettings, lm_head_rows, make_batch, run_seconds, training_vocabulary,
+    Trainer, TrainSettings, make_batch, run_seconds, training_vocabulary,
 )
 
 # -- data ---------------------------------------------------------------------------------------------------
@@ -222,12 +222,12 @@ def test_reduced_vocabulary_loss(train_data):
     x = mx.random.normal((3, 64), key=mx.random.key(0))
     for m in (model, make_target("qwen3", seed=4, tied=False)):
         t = Target(m)
-        np.testing.assert_allclose(np.array(x @ lm_head_rows(t, ids).T), np.array(t.lm_head(x)[:, ids]),
+        np.testing.assert_allclose(np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]),
                                    rtol=1e-5, atol=1e-5)
     quantized = make_target("qwen3", seed=4, tied=False)
     nn.quantize(quantized, group_size=32, bits=8)
     t = Target(quantized)
-    np.testing.assert_allclose(np.array(x @ lm_head_rows(t, ids).T), np.array(t.lm_head(x)[:, ids]),
+    np.testing.assert_allclose(np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]),
                                rtol=1e-4, atol=1e-4)
 
 

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..config import DraftConfig
+from ..vocab import COUNTS_FILE, DRAFT_VOCAB_FILE, write_draft_vocab
 from .quantize import MIN_QUANTIZED_SIZE, DraftQuant, quantize_drafter
 
 INDEX = "model.safetensors.index.json"
@@ -42,7 +43,7 @@ def safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are not there: {missing}")
         return files
-    files = [Path(f) for f in sorted(glob.glob(str(path / "*.safetensors")))]
+    files = [Path(f) for f in sorted(glob.glob(str(path / "*.safetensors"))) if Path(f).name != DRAFT_VOCAB_FILE]
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
     return files
@@ -99,7 +100,7 @@ def _fresh_folder(path: Path, source: Path) -> None:
     if path.resolve() == source.resolve():
         raise ValueError(f"the output folder {path} is the input folder; choose another")
     path.mkdir(parents=True, exist_ok=True)
-    for old in [*path.glob("*.safetensors"), path / INDEX]:
+    for old in [*path.glob("*.safetensors"), path / INDEX, path / COUNTS_FILE]:
         old.unlink(missing_ok=True)
 
 
@@ -110,9 +111,12 @@ def convert(
     quant: DraftQuant | None = None,
     force_float16: bool = False,
     min_quantized_size: int = MIN_QUANTIZED_SIZE,
+    draft_vocab: int | None = None,
+    vocab_counts: str | Path | None = None,
 ) -> Path:
     """A Hugging Face drafter (folder or hub id) -> an MLX folder that `load_drafter` reads. With
-    `quant`, tensors of at least `min_quantized_size` values are quantized."""
+    `quant`, tensors of at least `min_quantized_size` values are quantized; with `draft_vocab` N, the N most
+    frequent tokens of `vocab_counts` become its draft vocabulary (see `load_drafter`)."""
     from ..loading import load_drafter, resolve_path
 
     if dtype == "float16" and not force_float16:
@@ -122,8 +126,9 @@ def convert(
         )
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"dtype must be bfloat16, float32 or float16, got {dtype!r}")
-    source = resolve_path(hf_path, allow_patterns=["*.json", "*.safetensors"])
-    drafter = load_drafter(str(source), dtype="float32")  # checks names and shapes against the config
+    source = resolve_path(hf_path, allow_patterns=["*.json", "*.safetensors", "*.npy"])
+    # checks names and shapes against the config
+    drafter = load_drafter(str(source), dtype="float32", draft_vocab=draft_vocab, vocab_counts=vocab_counts)
     drafter.set_dtype(getattr(mx, dtype))
     record = {"dtype": dtype, "converted_from": str(hf_path)}
     if quant is not None:
@@ -141,7 +146,16 @@ def convert(
         config["quantization"] = {"group_size": quant.group_size, "bits": quant.bits}  # mlx-lm's key
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_weights(out, dict(tree_flatten(drafter.parameters())))
+    _carry_vocab(drafter, source, out)
     return out
+
+
+def _carry_vocab(drafter, source: Path, out: Path) -> None:
+    """The draft vocabulary (and the frequency table it came from, if the source has one) go along."""
+    if drafter.draft_vocab is not None:
+        write_draft_vocab(out, drafter.draft_vocab)
+    if (source / COUNTS_FILE).is_file():
+        shutil.copy(source / COUNTS_FILE, out / COUNTS_FILE)
 
 
 def dequantized(drafter: nn.Module) -> dict[str, mx.array]:
@@ -177,6 +191,7 @@ def export(mlx_path: str, hf_path: str | Path, dtype: str = "bfloat16") -> Path:
     _fresh_folder(out, source)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_weights(out, hf_names(weights, drafter.config))
+    _carry_vocab(drafter, source, out)
     for extra in ("README.md", "LICENSE"):
         if (source / extra).is_file():
             shutil.copy(source / extra, out / extra)

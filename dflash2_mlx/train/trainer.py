@@ -30,6 +30,7 @@ from ..drafter import DFlashDraftModel, TrainingBlocks
 from ..loading import bind_drafter, resolve_path
 from ..sampling import SamplingParams
 from ..target import Target
+from ..vocab import COUNTS_FILE, token_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
 from .features import FeatureCache
 
@@ -143,17 +144,6 @@ def training_vocabulary(samples: list[Sample]) -> np.ndarray:
     return np.unique(np.concatenate([s.tokens for s in samples])).astype(np.int32)
 
 
-def lm_head_rows(target: Target, ids: mx.array) -> mx.array:
-    """The target's LM-head rows [n, D] of tokens `ids`, dequantized (tied heads: embedding rows)."""
-    head = target.lm_head
-    if not isinstance(head, nn.Module):  # the embedding's as_linear
-        return target.embed_tokens(ids)
-    if isinstance(head, nn.QuantizedLinear):
-        return mx.dequantize(head.weight[ids], head.scales[ids], head.get("biases")[ids] if "biases" in head else None,
-                             head.group_size, head.bits, mode=head.mode)
-    return head.weight[ids]
-
-
 def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows):
     """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
     vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
@@ -208,13 +198,16 @@ class Trainer:
         self.target = Target(model, config.target_layer_ids)
         mx.random.seed(settings.seed)
         self.drafter = DFlashDraftModel(config)
-        bind_drafter(self.drafter, model)
         B = settings.block_size
         ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
+        # Trained over its training vocabulary, the drafter drafts over the same one (its draft vocabulary): a
+        # token the loss never pushed down could otherwise win a draft.
+        self.drafter.draft_vocab = ids if settings.reduced_vocabulary else None
+        bind_drafter(self.drafter, model)
         index = np.full(config.vocab_size, -1, np.int32)
         index[ids] = np.arange(len(ids))
         self.vocab, self.vocab_index = mx.array(ids, mx.int32), mx.array(index)
-        self.head_rows = mx.stop_gradient(lm_head_rows(self.target, self.vocab).astype(mx.float32))
+        self.head_rows = mx.stop_gradient(self.target.head_rows(self.vocab).astype(mx.float32))
         self.weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / settings.loss_gamma())
         warm = max(1, int(settings.warmup * settings.steps))
         schedule = optim.join_schedules(
@@ -341,7 +334,7 @@ class Trainer:
             batch.picked = [start + i for i in batch.picked]  # indices into the held-out list
             context = self.context(batch, "heldout")
             hidden = self.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
-            logits = self.drafter.logits(hidden)
+            logits = self.drafter.draft_logits(hidden)
             drafts = mx.stack([
                 self.drafter.choose(hidden[n], logits[n], batch.blocks[n, 0], GREEDY).tokens
                 for n in range(logits.shape[0])
@@ -387,6 +380,9 @@ class Trainer:
         weights = dict(tree_flatten(self.drafter.parameters()))
         weights["fc.weight"] = weights["fc.weight"] * self.feature_scale  # takes raw target features
         write_weights(folder, hf_names(weights, self.drafter.config))
+        if self.drafter.draft_vocab is not None:
+            write_draft_vocab(folder, self.drafter.draft_vocab)
+        np.save(folder / COUNTS_FILE, token_counts(self.settings.data, self.drafter.config.vocab_size))
         return folder
 
 
