@@ -176,9 +176,9 @@ class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
     trained or quantized as part of the drafter; with the logit settings in force (see `bind`)."""
 
-    def __init__(self, embed, lm_head, embed_scale: float, vocab_size: int, multiplier: float, softcap: float | None,
+    def __init__(self, embed, lm_head, embed_scale: float, multiplier: float, softcap: float | None,
                  vocab_ids: mx.array | None = None, vocab_rows: mx.array | None = None):
-        self.embed, self.lm_head, self.embed_scale, self.vocab_size = embed, lm_head, embed_scale, vocab_size
+        self.embed, self.lm_head, self.embed_scale = embed, lm_head, embed_scale
         self.multiplier, self.softcap = multiplier, softcap
         self.vocab_ids, self.vocab_rows = vocab_ids, vocab_rows  # the draft vocabulary and its LM-head rows
 
@@ -200,7 +200,7 @@ class DFlashDraftModel(nn.Module):
         self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
 
     def bind(
-        self, embed, lm_head, vocab_size: int, embed_scale: float = 1.0,
+        self, embed, lm_head, embed_scale: float = 1.0,
         output_multiplier: float = 1.0, final_logit_softcapping: float | None = None,
         draft_vocab: tuple[mx.array, mx.array] | None = None,
     ) -> "DFlashDraftModel":
@@ -213,7 +213,7 @@ class DFlashDraftModel(nn.Module):
         multiplier = cfg.output_multiplier if cfg.output_multiplier is not None else output_multiplier
         softcap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else final_logit_softcapping
         self._target = _TargetParts(
-            embed, lm_head, embed_scale * cfg.input_embedding_scale, vocab_size, float(multiplier), softcap or None,
+            embed, lm_head, embed_scale * cfg.input_embedding_scale, float(multiplier), softcap or None,
             *(draft_vocab or (None, None)),
         )
         return self

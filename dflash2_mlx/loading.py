@@ -138,7 +138,7 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
     if drafter.draft_vocab is not None:
         ids = mx.array(check_ids(drafter.draft_vocab, "the drafter's draft vocabulary", target.vocab_size))
         vocab = (ids, target.head_rows(ids).astype(drafter.norm.weight.dtype))
-    drafter.bind(target.embed_tokens, target.lm_head, target.vocab_size, target.embed_scale,
+    drafter.bind(target.embed_tokens, target.lm_head, target.embed_scale,
                  target.logit_multiplier, target.logit_softcap, vocab)
     return target
 
