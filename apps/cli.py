@@ -252,31 +252,53 @@ def _run_data(args) -> int:
     return 0
 
 
+# `dflash2 train` flag -> (TrainSettings field, type, help); each default is the dataclass's, shown in --help.
+TRAIN_FLAGS = {
+    "--arch": ("architecture", str, "dflash2 or v1 (default dflash2; with --init-from: the folder's, and "
+               "dflash2 over a v1 folder warm-starts a DFlash 2 drafter from it)"),
+    "--block-size": ("block_size", int, "block size the drafter is trained for"),
+    "--layers": ("layers", int, "drafter layers"),
+    "--steps": ("steps", int, "optimizer steps (the schedule's length; a longer value on resume stretches it)"),
+    "--sequences-per-step": ("sequences_per_step", int, "training sequences per step"),
+    "--anchors-per-sequence": ("anchors_per_sequence", int, "blocks drafted from random anchors per sequence"),
+    "--lr": ("learning_rate", float, "peak learning rate (warmup 4%%, cosine to 10%%)"),
+    "--selector-rank": ("selector_rank", int, "DFlash 2 path selector rank"),
+    "--mask-token-id": ("mask_token_id", int, "the block's mask token (default: the last vocabulary id)"),
+    "--eval-every": ("eval_every", int, "steps between held-out evaluations (tau, first-draft accuracy)"),
+    "--checkpoint-every": ("checkpoint_every", int, "steps between checkpoints"),
+    "--seed": ("seed", int, "the batches and the initialization"),
+    "--init-from": ("init_from", str, "start from this drafter folder or hub id (its config replaces "
+                    "--block-size/--layers)"),
+    "--distill": ("distill", float, "weight of the loss to the target's top-8 next-token distribution (cached "
+                  "with the features); 0 = hard labels only"),
+    "--time-budget": ("time_budget", float, "minutes of wall time for this run: it stops there with a checkpoint, "
+                      "and rerunning the command continues"),
+}
+
+
 def _train_parser(sub) -> None:
+    from dataclasses import fields
+
+    from dflash2_mlx.train.trainer import TrainSettings
+
+    defaults = {f.name: f.default for f in fields(TrainSettings)}
     p = sub.add_parser(
         "train",
         help="train a DFlash v1 or DFlash 2 drafter for a target on `dflash2 data` output",
         description="Train a drafter (resumable: rerun the same command to continue from the last checkpoint). "
-        "Writes OUT/checkpoint, then OUT/drafter (a folder `--draft-model` and `dflash2 export` take) with its card.",
+        "Writes OUT/checkpoint and OUT/curve.csv (the held-out learning curve), then OUT/drafter (a folder "
+        "`--draft-model` and `dflash2 export` take) with its card. Runs unchanged on MLX's CUDA backend.",
     )
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="a `dflash2 data` folder")
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", choices=["dflash2", "v1"], default="dflash2")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--sequences-per-step", type=int, default=4)
-    p.add_argument("--anchors-per-sequence", type=int, default=32)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--selector-rank", type=int, default=64)
+    for flag, (name, kind, text) in TRAIN_FLAGS.items():
+        default = defaults[name]
+        p.add_argument(flag, type=kind, dest=name, choices=["dflash2", "v1"] if name == "architecture" else None,
+                       help=text if default is None or name == "architecture" else f"{text} (default {default})")
     p.add_argument("--full-selector", action="store_true", help="V x R codebooks instead of factorised ones")
-    p.add_argument("--mask-token-id", type=int)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init-from", metavar="DRAFTER",
-                   help="start from this drafter folder or hub id (its config replaces --arch/--block-size/--layers)")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the drafter's layers and final norm as the target's last layers")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="compute the target's features at every step instead of once into the data folder")
     p.set_defaults(run=_run_train)
@@ -286,19 +308,17 @@ def _run_train(args) -> int:
     from dflash2_mlx.loading import load_target
     from dflash2_mlx.train.trainer import Trainer, TrainSettings, write_card
 
-    settings = TrainSettings(
-        data=args.data, architecture=args.arch, block_size=args.block_size, layers=args.layers, steps=args.steps,
-        sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors_per_sequence,
-        learning_rate=args.lr, selector_rank=args.selector_rank, selector_factorized=not args.full_selector,
-        mask_token_id=args.mask_token_id, seed=args.seed, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, cache_features=not args.no_feature_cache, init_from=args.init_from,
-    )
+    given = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS.values() if getattr(args, name) is not None}
+    settings = TrainSettings(data=args.data, selector_factorized=not args.full_selector,
+                             cache_features=not args.no_feature_cache, init_from_target=args.init_from_target,
+                             **given)
     model, _ = load_target(args.model)
     trainer = Trainer(model, args.out, settings)
     result = trainer.run()
     folder = trainer.export(f"{args.out}/drafter")
     write_card(folder, trainer, args.model or "SmolLM2-135M-Instruct")
-    print(f"{folder}: step {result['step']}, held-out tau {trainer.log[-1].get('tau')}", file=sys.stderr)
+    tau = next((e["tau"] for e in reversed(trainer.log) if "tau" in e), None)
+    print(f"{folder}: step {result['step']}, held-out tau {tau}", file=sys.stderr)
     return 0
 
 

@@ -319,9 +319,25 @@ class Target:
     def sequence_features(self, tokens: mx.array) -> mx.array:
         """Features [S, L, k*D] of whole sequences [S, L] (no cache; right padding cannot leak into
         earlier rows of a causal model). For training."""
+        return self.teacher(tokens)[0]
+
+    def teacher(self, tokens: mx.array, top_k: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+        """What training learns from, in one forward over whole sequences [S, L]: the features [S, L, k*D],
+        and the ids [S, L, top_k] and log-probabilities of the target's top_k next tokens at every row
+        (descending; empty when top_k is 0), for distillation."""
         with self.capture() as tap:
-            self.model(tokens)
-            return mx.stop_gradient(tap._features())
+            logits = self.model(tokens)
+            features = mx.stop_gradient(tap._features())
+        if top_k == 0:
+            empty = mx.zeros((*tokens.shape, 0))
+            return features, empty.astype(mx.int32), empty
+        logits = logits.astype(mx.float32)
+        top = mx.argpartition(-logits, top_k - 1, axis=-1)[..., :top_k]
+        values = mx.take_along_axis(logits, top, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        ids = mx.take_along_axis(top, order, axis=-1).astype(mx.int32)
+        logprobs = mx.take_along_axis(values, order, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return features, ids, logprobs
 
     def prefill(self, prompt: mx.array, cache: list, step_size: int = 2048) -> mx.array:
         """Feed the prompt in chunks of `step_size`; returns the last logits row [V]. (`Capture.prefill`

@@ -22,7 +22,7 @@ from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
-from dflash2_mlx.train.features import FeatureCache
+from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.trainer import (
     Trainer, TrainSettings, make_batch, run_seconds, training_vocabulary,
@@ -152,7 +152,7 @@ def settings(folder, arch, steps, **kw):
 def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, arch, tokenizer):
     model, folder = train_data
     trainer = Trainer(model, tmp_path / "run", settings(folder, arch, 120))
-    untrained_tau = trainer.evaluate()
+    untrained_tau = trainer.evaluate().tau
     trainer.run(progress=False)
     losses = [e["loss"] for e in trainer.log]
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
@@ -174,6 +174,15 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     assert spec.tokens == plain.tokens
 
 
+def _numpy_top_k(model, tokens: np.ndarray, k: int):
+    """The target's top-k next tokens and log-probabilities, from its own logits with NumPy."""
+    logits = np.array(model(mx.array(tokens)).astype(mx.float32)).astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ids = np.argsort(-logp, axis=-1, kind="stable")[..., :k]
+    return ids, np.take_along_axis(logp, ids, axis=-1)
+
+
 def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monkeypatch):
     model, folder = train_data
     samples = read_shards(folder, heldout=False)[:7]
@@ -186,29 +195,62 @@ def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monke
         tokens[row, : len(samples[i].tokens)] = samples[i].tokens
     exact = np.array(target.sequence_features(mx.array(tokens)))
     got = np.array(cache.context(picked, length).astype(mx.float32))
+    top_ids, top_logp = _numpy_top_k(model, tokens, TEACHER_TOP_K)
     for row, i in enumerate(picked):
         n = len(samples[i].tokens)
         np.testing.assert_allclose(got[row, :n], exact[row, :n], rtol=2e-3, atol=2e-3)  # float16 storage
         assert not got[row, n:].any()  # padding rows are zeros
+        ids, logp = cache.teacher_rows(i, np.arange(n))
+        np.testing.assert_allclose(logp, top_logp[row, :n], rtol=2e-3, atol=2e-3)
+        # the same tokens, up to the order of near-ties
+        assert (np.sort(ids, -1) == np.sort(top_ids[row, :n], -1)).mean() > 0.99
     # an interrupted fill resumes: the samples already done are not computed again
     calls = []
-    real = Target.sequence_features
+    real = Target.teacher
 
-    def interrupted(self, tokens):
+    def interrupted(self, tokens, top_k=0):
         calls.append(tokens.shape[0])
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(self, tokens)
+        return real(self, tokens, top_k)
 
-    monkeypatch.setattr(Target, "sequence_features", interrupted)
+    monkeypatch.setattr(Target, "teacher", interrupted)
     with pytest.raises(KeyboardInterrupt):
         FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
-    monkeypatch.setattr(Target, "sequence_features", real)
     counted = []
-    monkeypatch.setattr(Target, "sequence_features", lambda self, t: counted.append(t.shape[0]) or real(self, t))
+    monkeypatch.setattr(Target, "teacher", lambda self, t, k=0: counted.append(t.shape[0]) or real(self, t, k))
     resumed = FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
     assert sum(counted) == len(samples) - calls[0]
-    assert np.array_equal(np.asarray(resumed.rows), np.asarray(cache.rows))
+    for shard, files in cache.shards.items():
+        assert np.array_equal(np.asarray(resumed.shards[shard].features), np.asarray(files.features))
+        assert np.array_equal(np.asarray(resumed.shards[shard].top_ids), np.asarray(files.top_ids))
+
+
+def test_feature_cache_of_a_grown_data_folder_computes_only_the_new_shards(tmp_path, train_data, monkeypatch):
+    """`dflash2 data` grows a folder by adding shards: the cache computes those and keeps the rest."""
+    model, folder = train_data
+    samples = read_shards(folder)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    write_shard(data_dir / "shard-00000.npz", samples[:20])
+    target = Target(model, (0, 2, 3))
+    first = FeatureCache(data_dir, read_shards(data_dir, heldout=False), target)
+    FeatureCache(data_dir, read_shards(data_dir, heldout=True), target)  # the other split of the same shard
+    before = {p.name: p.read_bytes() for p in first.folder.glob("shard-00000.*")}
+    write_shard(data_dir / "shard-00001.npz", samples[20:35])
+    counted = []
+    real = Target.teacher
+    monkeypatch.setattr(Target, "teacher", lambda self, t, k=0: counted.append(t.shape[0]) or real(self, t, k))
+    grown = read_shards(data_dir, heldout=False)
+    cache = FeatureCache(data_dir, grown, target)
+    assert sum(counted) == sum(not s.heldout for s in samples[20:35])
+    assert {p.name: p.read_bytes() for p in first.folder.glob("shard-00000.*")} == before
+    # rows of either shard are the target's own features
+    for i in (0, len(grown) - 1):
+        s = grown[i]
+        exact = np.array(target.sequence_features(mx.array(s.tokens[None])))[0]
+        np.testing.assert_allclose(np.array(cache.context([i], len(s.tokens)).astype(mx.float32))[0], exact,
+                                   rtol=2e-3, atol=2e-3)
 
 
 def test_reduced_vocabulary_loss(train_data):
@@ -238,11 +280,57 @@ def test_init_from_a_drafter_folder(tmp_path, train_data):
     first = Trainer(model, tmp_path / "a", settings(folder, "dflash2", 6, block_size=5))
     first.run(progress=False)
     exported = first.export(tmp_path / "drafter")
-    second = Trainer(model, tmp_path / "b", settings(folder, "v1", 3, init_from=str(exported)))
+    second = Trainer(model, tmp_path / "b", settings(folder, None, 3, block_size=8, init_from=str(exported)))
     assert second.settings.architecture == "dflash2" and second.settings.block_size == 5
     assert second.evaluate() == first.evaluate()
     second.run(progress=False)
     assert second.step == 3
+    with pytest.raises(ValueError, match="is a DFlash 2 drafter; it can be fine-tuned as one"):
+        Trainer(model, tmp_path / "c", settings(folder, "v1", 3, init_from=str(exported)))
+
+
+def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
+    """DFlash 2's added modules start as identity (convolutions pass through, zero successor codes), so a
+    DFlash 2 drafter warm-started from a v1 folder drafts exactly as the v1 drafter at step 0, then trains."""
+    model, folder = train_data
+    v1 = Trainer(model, tmp_path / "v1", settings(folder, "v1", 30))
+    v1.run(progress=False)
+    exported = v1.export(tmp_path / "v1-drafter")
+    v2 = Trainer(model, tmp_path / "v2", settings(folder, "dflash2", 20, init_from=str(exported)))
+    assert v2.drafter.config.is_dflash2 and v2.settings.architecture == "dflash2"
+    assert v2.evaluate() == v1.evaluate()
+    assert v1.evaluate().first_draft > 0  # a comparison of drafters that draft something
+    batch = make_batch(v2.heldout, 0, v2.settings, v2.drafter.config.mask_token_id, sequences=2)
+    context = v2.context(batch, "heldout")
+    np.testing.assert_allclose(np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
+                               np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
+                               rtol=1e-5, atol=1e-5)
+    v2.run(progress=False)
+    conv = v2.drafter.layers[0].attention_conv
+    assert mx.any(conv.kernel_projection.weight != 0).item()  # the DFlash 2 modules train from there
+
+
+def test_init_from_target_copies_its_last_layers(tmp_path, train_data):
+    model, folder = train_data
+    trainer = Trainer(model, tmp_path / "t", settings(folder, "dflash2", 1, layers=2, init_from_target=True))
+    target = trainer.target
+    own = dict(tree_flatten(trainer.drafter.parameters()))
+    copied = 0
+    for i, source in enumerate(target.layers[-2:]):
+        for name, value in tree_flatten(source.parameters()):
+            assert mx.array_equal(own[f"layers.{i}.{name}"], value).item(), name
+            copied += 1
+    assert copied >= 9  # q/k/v/o, gate/up/down, two norms (+ qwen3's q/k norms)
+    assert mx.array_equal(own["norm.weight"], target.final_norm.weight).item()
+    # what the target lacks keeps its own init: the context projection and the DFlash 2 modules
+    fresh = Trainer(model, tmp_path / "f", settings(folder, "dflash2", 1, layers=2))
+    assert mx.array_equal(own["fc.weight"], dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"]).item()
+    assert not mx.array_equal(own["layers.0.mlp.up_proj.weight"],
+                              dict(tree_flatten(fresh.drafter.parameters()))["layers.0.mlp.up_proj.weight"]).item()
+    quantized = make_target("qwen3", seed=3)
+    nn.quantize(quantized, group_size=32, bits=8)
+    with pytest.raises(ValueError, match="needs a target with float weights"):
+        Trainer(quantized, tmp_path / "q", settings(folder, "dflash2", 1, init_from_target=True))
 
 
 def test_dflash2_starts_as_identity_convs(tmp_path, train_data):
@@ -251,6 +339,8 @@ def test_dflash2_starts_as_identity_convs(tmp_path, train_data):
     conv = trainer.drafter.layers[0].attention_conv
     assert mx.array_equal(conv.base_kernel[:, 0], mx.ones_like(conv.base_kernel[:, 0])).item()
     assert mx.all(conv.base_kernel[:, 1:] == 0).item() and mx.all(conv.kernel_projection.weight == 0).item()
+    # and zero successor codes: every pair score is the unary one, the path is each row's argmax
+    assert mx.all(trainer.drafter.candidate_selector.successor_projection.weight == 0).item()
 
 
 def test_resume_is_bit_identical(tmp_path, train_data):
@@ -284,6 +374,14 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert all(1 <= tau <= 4 for _, tau in history), history
     readme = (tmp_path / "t" / "drafter" / "README.md").read_text()
     assert f"held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}" in readme
+    # the learning curve: one CSV row per evaluation, the card's numbers, and a sparkline of them
+    rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
+    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds"
+    curve = [r.split(",") for r in rows[1:]]
+    assert [(int(r[0]), float(r[2])) for r in curve] == [tuple(h) for h in history]
+    assert [float(r[3]) for r in curve] == [f for _, f in card["heldout_first_draft_history"]]
+    assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 for r in curve)
+    assert f"2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
     shutil.rmtree(tmp_path / "t" / "checkpoint")
     runs = {}
     for mode in ("dflash", "off"):
@@ -299,3 +397,84 @@ def test_run_seconds_splits_a_resumed_log():
     """Each resumed run's clock restarts at 0: the card sums the runs' wall times and counts them."""
     log = [{"seconds": 5.0}, {"seconds": 9.0}, {"seconds": 2.0}, {"seconds": 4.5}]
     assert run_seconds(log) == [9.0, 4.5] and run_seconds([]) == [0.0]
+
+
+def test_soft_targets_are_the_targets_top_k_next_tokens(tmp_path, train_data):
+    """Distillation's targets at every draft row: the target's top-k next tokens (indices into the training
+    vocabulary, -1 outside it) with their probabilities renormalized over the kept ones, from NumPy over the
+    target's own logits; the cached and the computed-per-step paths agree."""
+    model, folder = train_data
+    cached = Trainer(model, tmp_path / "c", settings(folder, "dflash2", 1, distill=0.5))
+    live = Trainer(model, tmp_path / "l", settings(folder, "dflash2", 1, distill=0.5, cache_features=False))
+    batch = make_batch(cached.train_samples, 3, cached.settings, cached.drafter.config.mask_token_id)
+    index, probs = map(np.array, cached.soft_targets(batch, "train"))
+    _, *teacher = live.target.teacher(batch.tokens, TEACHER_TOP_K)
+    index2, probs2 = map(np.array, live.soft_targets(batch, "train", teacher))
+    top_ids, top_logp = _numpy_top_k(model, np.array(batch.tokens), TEACHER_TOP_K)
+    vocab = list(cached.vocab.tolist())
+    anchors = np.array(batch.where.anchors)
+    B = cached.settings.block_size
+    checked = 0
+    for s, sample in enumerate(batch.picked):
+        n = len(cached.train_samples[sample].tokens)
+        for a, anchor in enumerate(anchors[s]):
+            for j in range(B - 1):
+                row = anchor + j
+                if row + 1 >= n:
+                    continue  # past the sequence: its label is -1
+                N = s * anchors.shape[1] + a
+                ids = top_ids[s, row]
+                keep = np.array([t in vocab for t in ids])
+                p = np.exp(top_logp[s, row]) * keep
+                want = dict(zip(ids[keep].tolist(), (p / p.sum())[keep]))
+                got = {vocab[i]: q for i, q in zip(index[N, j], probs[N, j]) if i >= 0}
+                got2 = {vocab[i]: q for i, q in zip(index2[N, j], probs2[N, j]) if i >= 0}
+                big = {t for t, q in want.items() if q > 1e-3}  # near-ties in the tail may swap
+                assert big <= set(got) and big <= set(got2)
+                for t in big:
+                    assert abs(got[t] - want[t]) < 2e-3 and abs(got2[t] - want[t]) < 1e-4
+                assert abs(sum(got.values()) - 1) < 1e-4
+                checked += 1
+    assert checked > 50
+    # the label (the target's greedy token) is the top candidate wherever the data is its greedy output
+    labels = np.array(batch.labels)
+    top = np.array([[vocab[i] if i >= 0 else -1 for i in row] for row in index[:, :, 0]])
+    assert (top[labels >= 0] == labels[labels >= 0]).mean() > 0.99
+
+
+def test_distillation_loss_is_the_formula(train_data, tmp_path):
+    """(1 - w) * CE(hard label) + w * sum_k p_k * -log q(token_k), weighted per position, from NumPy."""
+    from dflash2_mlx.train.trainer import Soft, _prev_gold, loss_fn
+
+    model, folder = train_data
+    trainer = Trainer(model, tmp_path / "t", settings(folder, "v1", 1, distill=0.3))
+    batch = make_batch(trainer.train_samples, 0, trainer.settings, trainer.drafter.config.mask_token_id)
+    context = trainer.context(batch, "train")
+    labels = mx.where(batch.labels >= 0, trainer.vocab_index[mx.maximum(batch.labels, 0)], -1)
+    index, probs = trainer.soft_targets(batch, "train")
+    args = (trainer.drafter, batch.blocks, context, batch.where, labels, trainer.weights, _prev_gold(batch),
+            trainer.vocab, trainer.head_rows)
+    got = loss_fn(*args, Soft(index, probs, 0.3)).item()
+    hard = loss_fn(*args, Soft(index, probs, 0.0)).item()
+    hidden = trainer.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
+    logits = np.array(trainer.drafter.logits(hidden, trainer.head_rows)).astype(np.float64)
+    logq = logits - logits.max(-1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+    lab, idx, p = np.array(labels), np.array(index), np.array(probs)
+    ce = -np.take_along_axis(logq, np.maximum(lab, 0)[..., None], -1)[..., 0]
+    soft = -(p * np.take_along_axis(logq, np.maximum(idx, 0), -1)).sum(-1)
+    w = np.array(trainer.weights)[None, :] * (lab >= 0)
+    np.testing.assert_allclose(got, ((0.7 * ce + 0.3 * soft) * w).sum() / w.sum(), rtol=1e-4)
+    np.testing.assert_allclose(hard, (ce * w).sum() / w.sum(), rtol=1e-4)
+    assert abs(got - hard) > 1e-3  # the soft term is not the hard one
+    trainer.run(progress=False)  # and a distilled run trains
+
+
+def test_time_budget_stops_with_a_checkpoint_and_the_rerun_continues(tmp_path, train_data):
+    model, folder = train_data
+    stopped = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, time_budget=1e-9, checkpoint_every=100))
+    assert stopped.run(progress=False)["step"] == 1  # out of time after its first step
+    assert (stopped.checkpoint / "state.json").exists()
+    again = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100))
+    result = again.run(progress=False)
+    assert result["resumed"] and result["step"] == 6

@@ -27,6 +27,8 @@ class Sample:
     tokens: np.ndarray  # prompt then response, int32
     prompt_len: int
     heldout: bool
+    shard: str = ""  # the shard file's name without suffix ("shard-00012"), where its rows are cached
+    start: int = 0  # its first token's row in that shard
 
 
 def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
@@ -90,7 +92,8 @@ def read_shards(folder: str | Path, heldout: bool | None = None) -> list[Sample]
             for i, sid in enumerate(z["ids"]):
                 if heldout is None or bool(z["heldout"][i]) == heldout:
                     samples.append(Sample(str(sid), z["tokens"][offsets[i] : offsets[i + 1]],
-                                          int(z["prompt_lens"][i]), bool(z["heldout"][i])))
+                                          int(z["prompt_lens"][i]), bool(z["heldout"][i]),
+                                          path.name.removesuffix(".npz"), int(offsets[i])))
     return samples
 
 

@@ -1,14 +1,18 @@
-"""The target's features of every training sample, computed once and kept on disk (float16).
+"""What the target says about every training sample, computed once and kept on disk: its features (float16)
+and its top-k next tokens with their log-probabilities (for distillation).
 
 A training step then runs the drafter only: on this CPU the target's forward pass over the sequences was
 most of a step's time, and it is the same at every epoch. The cache sits in the data folder, one per
-target and layer choice (`features-<fingerprint>/`), is filled in chunks and resumes where it stopped.
+target and layer choice (`features-<fingerprint>/`), one set of files per data shard: a data folder that
+grows (`dflash2 data` with more prompts) only adds shards, and only those are computed. Filled sample by
+sample in batches of similar length; an interrupted fill resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,6 +20,10 @@ import numpy as np
 
 from ..target import Target
 from .data import Sample, padded_tokens
+
+# The target's next-token candidates kept per row for distillation: 8 hold nearly all of a chat model's
+# probability mass at a greedy continuation, at 48 bytes a token.
+TEACHER_TOP_K = 8
 
 
 def fingerprint(target: Target) -> str:
@@ -25,57 +33,114 @@ def fingerprint(target: Target) -> str:
     return h.hexdigest()[:12]
 
 
+class _ShardFiles:
+    """The memory maps of one data shard's rows: features [rows, k*D] f16, top-k ids [rows, K] i32 and
+    log-probabilities [rows, K] f16, and the samples (by start row) already computed."""
+
+    def __init__(self, folder: Path, shard: str, rows: int, width: int):
+        self.done_path = folder / f"{shard}.json"
+        self.done = set(json.loads(self.done_path.read_text())["done"]) if self.done_path.exists() else set()
+        self.maps = {}
+        for name, dtype, cols in (("features", np.float16, width), (f"top{TEACHER_TOP_K}-ids", np.int32, TEACHER_TOP_K),
+                                  (f"top{TEACHER_TOP_K}-logprobs", np.float16, TEACHER_TOP_K)):
+            path = folder / f"{shard}.{name}"
+            size = rows * cols * np.dtype(dtype).itemsize
+            with open(path, "ab") as f:  # created, or grown when a later split of the shard reaches further
+                if f.tell() < size:
+                    f.truncate(size)
+            have = path.stat().st_size // (cols * np.dtype(dtype).itemsize)
+            self.maps[name] = np.memmap(path, dtype, "r+", shape=(have, cols))
+
+    @property
+    def features(self) -> np.memmap:
+        return self.maps["features"]
+
+    @property
+    def top_ids(self) -> np.memmap:
+        return self.maps[f"top{TEACHER_TOP_K}-ids"]
+
+    @property
+    def top_logprobs(self) -> np.memmap:
+        return self.maps[f"top{TEACHER_TOP_K}-logprobs"]
+
+    def mark_done(self, starts) -> None:
+        for m in self.maps.values():
+            m.flush()
+        self.done.update(starts)
+        tmp = self.done_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"done": sorted(self.done)}))
+        tmp.replace(self.done_path)
+
+
 class FeatureCache:
-    """Features [tokens, k*D] of `samples` (in their order) in one float16 memory map."""
+    """The target's features and top-k next tokens of `samples` (read with `read_shards`, which says where
+    each sample sits in its shard)."""
 
     def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096):
+        if any(not s.shard for s in samples):
+            raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
         self.samples = samples
-        lengths = np.array([len(s.tokens) for s in samples], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         self.width = len(target.layer_ids) * target.hidden_size
-        ids = hashlib.sha256("\n".join(s.id for s in samples).encode()).hexdigest()[:12]
         self.folder = Path(folder) / f"features-{fingerprint(target)}"
-        self.path = self.folder / f"{ids}.f16"
-        self.progress = self.folder / f"{ids}.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        rows = defaultdict(int)
+        for s in samples:
+            rows[s.shard] = max(rows[s.shard], s.start + len(s.tokens))
+        self.shards = {shard: _ShardFiles(self.folder, shard, n, self.width) for shard, n in sorted(rows.items())}
         self._fill(target, max_batch_tokens)
-        self.rows = np.memmap(self.path, np.float16, "r", shape=(int(self.offsets[-1]), self.width))
 
     def _fill(self, target: Target, max_batch_tokens: int) -> None:
         """Compute what is missing, shortest samples first, in batches of similar length."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        done = set(json.loads(self.progress.read_text())["done"]) if self.progress.exists() else set()
-        if len(done) == len(self.samples):
+        todo = sorted((s for s in self.samples if s.start not in self.shards[s.shard].done), key=lambda s: len(s.tokens))
+        if not todo:
             return
-        shape = (int(self.offsets[-1]), self.width)
-        rows = np.memmap(self.path, np.float16, "r+" if self.path.exists() else "w+", shape=shape)
-        todo = sorted((i for i in range(len(self.samples)) if i not in done), key=lambda i: len(self.samples[i].tokens))
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         with Progress(TextColumn("[bold]features"), BarColumn(), TextColumn("{task.completed}/{task.total} samples"),
                       TimeRemainingColumn()) as bar:
-            task = bar.add_task("features", total=len(self.samples), completed=len(done))
+            task = bar.add_task("features", total=len(self.samples), completed=len(self.samples) - len(todo))
             while todo:
-                length = len(self.samples[todo[0]].tokens)
+                length = len(todo[0].tokens)
                 batch = todo[: max(1, max_batch_tokens // length)]
-                batch = [i for i in batch if len(self.samples[i].tokens) <= 2 * length] or batch[:1]
+                batch = [s for s in batch if len(s.tokens) <= 2 * length] or batch[:1]
                 todo = todo[len(batch):]
-                tokens = padded_tokens(self.samples, batch)
-                feats = np.array(target.sequence_features(mx.array(tokens)).astype(mx.float32))
-                if not np.isfinite(feats).all() or np.abs(feats).max() > 6e4:
+                tokens = mx.array(padded_tokens(batch, range(len(batch))))
+                features, ids, logprobs = target.teacher(tokens, TEACHER_TOP_K)
+                features = np.array(features.astype(mx.float32))
+                if not np.isfinite(features).all() or np.abs(features).max() > 6e4:
                     raise ValueError("target features overflow float16; train without the feature cache")
-                for row, i in enumerate(batch):
-                    n = len(self.samples[i].tokens)
-                    rows[self.offsets[i] : self.offsets[i] + n] = feats[row, :n]
-                rows.flush()
-                done.update(batch)
-                self.progress.write_text(json.dumps({"done": sorted(done)}))
-                bar.update(task, completed=len(done))
-        del rows
+                ids, logprobs = np.array(ids), np.array(logprobs)
+                by_shard = defaultdict(list)
+                for row, s in enumerate(batch):
+                    n, files = len(s.tokens), self.shards[s.shard]
+                    files.features[s.start : s.start + n] = features[row, :n]
+                    files.top_ids[s.start : s.start + n] = ids[row, :n]
+                    files.top_logprobs[s.start : s.start + n] = np.maximum(logprobs[row, :n], -6e4)
+                    by_shard[s.shard].append(s.start)
+                for shard, starts in by_shard.items():
+                    self.shards[shard].mark_done(starts)
+                bar.update(task, advance=len(batch))
 
     def context(self, picked, length: int) -> mx.array:
         """Features of samples `picked`, right-padded with zeros to `length` rows: [S, length, k*D]."""
         out = np.zeros((len(picked), length, self.width), np.float16)
         for row, i in enumerate(picked):
-            n = len(self.samples[i].tokens)
-            out[row, :n] = self.rows[self.offsets[i] : self.offsets[i] + n]
+            s = self.samples[i]
+            out[row, : len(s.tokens)] = self.shards[s.shard].features[s.start : s.start + len(s.tokens)]
         return mx.array(out)
+
+    def teacher_rows(self, sample: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The target's top-k next-token ids [..., K] and log-probabilities at rows `rows` of one sample."""
+        s = self.samples[sample]
+        files = self.shards[s.shard]
+        return files.top_ids[s.start + rows], files.top_logprobs[s.start + rows].astype(np.float32)
+
+    def row_sample(self, n: int) -> np.ndarray:
+        """About `n` feature rows spread over the samples (float32), for statistics."""
+        every = max(1, sum(len(s.tokens) for s in self.samples) // n)
+        parts, pos = [], 0  # every `every`-th row of the samples' rows laid end to end
+        for s in self.samples:
+            first = (-pos) % every
+            parts.append(self.shards[s.shard].features[s.start + first : s.start + len(s.tokens) : every])
+            pos += len(s.tokens)
+        return np.concatenate(parts).astype(np.float32)

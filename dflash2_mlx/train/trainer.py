@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import partial
+from typing import NamedTuple
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,13 +33,13 @@ from ..sampling import SamplingParams
 from ..target import Target
 from ..vocab import COUNTS_FILE, token_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
-from .features import FeatureCache
+from .features import TEACHER_TOP_K, FeatureCache
 
 
 @dataclass
 class TrainSettings:
     data: str
-    architecture: str = "dflash2"  # or "v1"
+    architecture: str | None = None  # "dflash2" or "v1"; None: dflash2, or the shape of `init_from`
     block_size: int = 8
     layers: int = 1
     steps: int = 1000
@@ -59,7 +60,11 @@ class TrainSettings:
     eval_samples: int = 40
     cache_features: bool = True  # the target's features computed once, kept in the data folder
     reduced_vocabulary: bool = True  # the loss's softmax over the tokens of the training data only
-    init_from: str | None = None  # a drafter folder to start from (its config fixes the drafter's shape)
+    init_from: str | None = None  # a drafter folder to start from (its config fixes the drafter's shape;
+    # a v1 folder with architecture "dflash2" warm-starts a DFlash 2 drafter: its DFlash 2 modules start as identity)
+    init_from_target: bool = False  # the drafter's layers and final norm start as the target's last layers
+    distill: float = 0.0  # weight of the soft loss to the target's top-k next tokens (1 - it: the hard labels')
+    time_budget: float | None = None  # minutes of wall time per run: stop there with a checkpoint (rerun to go on)
     extra: dict = field(default_factory=dict)
 
     def loss_gamma(self) -> float:
@@ -74,7 +79,7 @@ def drafter_config(target: Target, settings: TrainSettings) -> DraftConfig:
     heads = getattr(args, "num_attention_heads", 8)
     n = target.num_layers
     ids = default_target_layer_ids(n) if n >= 8 else tuple(sorted({round(i * (n - 1) / 4) for i in range(5)}))
-    dflash2 = settings.architecture == "dflash2"
+    dflash2 = settings.architecture != "v1"
     return DraftConfig(
         architecture="DFlash2DraftModel" if dflash2 else "DFlashDraftModel",
         hidden_size=target.hidden_size,
@@ -99,8 +104,51 @@ def drafter_config(target: Target, settings: TrainSettings) -> DraftConfig:
     )
 
 
+def _upgraded(config: DraftConfig, settings: TrainSettings) -> DraftConfig:
+    """A v1 drafter's config as a DFlash 2 one (the modules DFlash 2 adds shaped by `settings`)."""
+    if config.is_dflash2:
+        return config
+    return replace(config, architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16,
+                   selector_rank=settings.selector_rank, selector_top_k=settings.selector_top_k,
+                   selector_factorized=settings.selector_factorized, vocab_size=config.vocab_size)
+
+
+def _identity_selector(drafter: DFlashDraftModel) -> None:
+    """Zero successor codes: every pair score is the unary one, so a new DFlash 2 drafter drafts as its v1
+    core does (its convolutions start as identity too) and learns the pairwise term from there."""
+    sel = drafter.candidate_selector
+    table = sel.successor_projection if sel.factorized else sel.successor_codebook
+    table.weight = mx.zeros_like(table.weight)
+
+
+def layers_from_target(drafter: DFlashDraftModel, target: Target) -> None:
+    """Start the drafter's L layers as the target's last L layers, and its final norm as the target's: the
+    drafter then begins where the target ends (its output already lives in the LM head's space). Weights are
+    matched by name and shape (attention and MLP projections, norms); what the target lacks keeps its init."""
+    L = len(drafter.layers)
+    if L > target.num_layers:
+        raise ValueError(f"--init-from-target: the drafter has {L} layers, the target only {target.num_layers}")
+    pairs = [(f"layers.{i}.", target.layers[target.num_layers - L + i]) for i in range(L)]
+    if target.final_norm is not None:
+        pairs.append(("norm.", target.final_norm))
+    own = dict(tree_flatten(drafter.parameters()))
+    weights = {}
+    for prefix, module in pairs:
+        if any(isinstance(m, nn.QuantizedLinear) for _, m in module.named_modules()):
+            raise ValueError("--init-from-target needs a target with float weights; load it unquantized")
+        for name, value in tree_flatten(module.parameters()):
+            if own.get(prefix + name) is not None and own[prefix + name].shape == value.shape:
+                weights[prefix + name] = value.astype(own[prefix + name].dtype)
+    if not any(k.startswith("layers.") for k in weights):
+        raise ValueError(f"--init-from-target: no weight of the target's layers ({type(pairs[0][1]).__name__}) "
+                         "matches the drafter's names and shapes")
+    drafter.load_weights(list(weights.items()), strict=False)
+    mx.eval(drafter.parameters())
+
+
 GREEDY = SamplingParams()
-EVAL_STEP = 2**31 - 1  # the anchors of the held-out evaluation: the same at every evaluation
+EVAL_STEP = 2**31 - 1
+_NO_SOFT = (mx.zeros((1, 1, 0), mx.int32), mx.zeros((1, 1, 0)))  # hard labels only  # the anchors of the held-out evaluation: the same at every evaluation
 
 
 @dataclass
@@ -144,17 +192,34 @@ def training_vocabulary(samples: list[Sample]) -> np.ndarray:
     return np.unique(np.concatenate([s.tokens for s in samples])).astype(np.int32)
 
 
-def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows):
+class Soft(NamedTuple):
+    """Distillation targets: the target's top-k next tokens as indices into the training vocabulary
+    [N, B-1, k] (-1: outside it) and their probabilities renormalized over the kept ones; `weight` of
+    the soft loss (0: hard labels only, and k = 0)."""
+
+    index: mx.array
+    probs: mx.array
+    weight: float
+
+
+def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows,
+            soft: Soft):
     """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
     vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
     data set uses costs a fraction of one over the full vocabulary, and a token the data never shows
-    gets no positive signal either way. `labels` are indices into `vocab`."""
+    gets no positive signal either way. `labels` are indices into `vocab`. With `soft.weight` w > 0 the
+    draft loss is (1 - w) * the hard labels' cross-entropy + w * the cross-entropy to the target's own
+    top-k distribution (forward KL up to a constant)."""
     hidden = drafter.hidden(blocks, context, None, where)[:, 1:]
     logits = drafter.logits(hidden, head_rows).astype(mx.float32)  # [N, B-1, n]
     valid = labels >= 0
     gold = mx.maximum(labels, 0)
     w = weights[None, :] * valid
     ce = nn.losses.cross_entropy(logits, gold, reduction="none")
+    if soft.weight:
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        soft_ce = -mx.sum(soft.probs * mx.take_along_axis(logp, mx.maximum(soft.index, 0), axis=-1), axis=-1)
+        ce = (1 - soft.weight) * ce + soft.weight * soft_ce
     loss = mx.sum(ce * w) / mx.maximum(mx.sum(w), 1)
     if not drafter.config.is_dflash2:
         return loss
@@ -190,14 +255,21 @@ class Trainer:
         if settings.init_from:
             # the drafter's shape is the folder's: record it so the loss, the card and resume agree
             config = DraftConfig.from_path(resolve_path(settings.init_from))
+            config = _upgraded(config, settings) if settings.architecture == "dflash2" else config
+            if settings.architecture == "v1" and config.is_dflash2:
+                raise ValueError(f"{settings.init_from} is a DFlash 2 drafter; it can be fine-tuned as one (leave out "
+                                 "--arch) but not trained as a v1 drafter")
             settings = self.settings = replace(
                 settings, architecture="dflash2" if config.is_dflash2 else "v1", block_size=config.block_size,
                 layers=config.num_hidden_layers, mask_token_id=config.mask_token_id)
         else:
+            settings = self.settings = replace(settings, architecture=settings.architecture or "dflash2")
             config = drafter_config(Target(model), settings)
         self.target = Target(model, config.target_layer_ids)
         mx.random.seed(settings.seed)
         self.drafter = DFlashDraftModel(config)
+        if config.is_dflash2:
+            _identity_selector(self.drafter)
         B = settings.block_size
         ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
         # Trained over its training vocabulary, the drafter drafts over the same one (its draft vocabulary): a
@@ -206,7 +278,7 @@ class Trainer:
         bind_drafter(self.drafter, model)
         index = np.full(config.vocab_size, -1, np.int32)
         index[ids] = np.arange(len(ids))
-        self.vocab, self.vocab_index = mx.array(ids, mx.int32), mx.array(index)
+        self.vocab, self.vocab_index, self._index = mx.array(ids, mx.int32), mx.array(index), index
         self.head_rows = mx.stop_gradient(self.target.head_rows(self.vocab).astype(mx.float32))
         self.weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / settings.loss_gamma())
         warm = max(1, int(settings.warmup * settings.steps))
@@ -223,9 +295,10 @@ class Trainer:
         value_and_grad = nn.value_and_grad(self.drafter, loss_fn)
 
         @partial(mx.compile, inputs=state, outputs=state)
-        def train_step(blocks, context, anchors, labels, prev_gold):
+        def train_step(blocks, context, anchors, labels, prev_gold, soft_idx, soft_p):
             loss, grads = value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors), labels,
-                                         self.weights, prev_gold, self.vocab, self.head_rows)
+                                         self.weights, prev_gold, self.vocab, self.head_rows,
+                                         Soft(soft_idx, soft_p, settings.distill))
             grads, norm = optim.clip_grad_norm(grads, settings.grad_clip)
             self.optimizer.update(self.drafter, grads)
             return loss, norm
@@ -236,6 +309,8 @@ class Trainer:
             self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target),
                            "heldout": FeatureCache(settings.data, self.heldout, self.target)}
         self.feature_scale = mx.array(self._feature_scale())
+        if settings.init_from_target:
+            layers_from_target(self.drafter, self.target)
         if settings.init_from:
             self._warm_start(settings.init_from)
 
@@ -246,7 +321,9 @@ class Trainer:
 
         weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
         weights["fc.weight"] = weights["fc.weight"] / self.feature_scale  # folders take raw features
-        self.drafter.load_weights(list(weights.items()))
+        # a v1 folder warm-starting a DFlash 2 drafter lacks the DFlash 2 modules, which keep their identity init
+        upgrading = self.drafter.config.is_dflash2 and not any(k.startswith("candidate_selector.") for k in weights)
+        self.drafter.load_weights(list(weights.items()), strict=not upgrading)
         mx.eval(self.drafter.parameters())
 
     def _feature_scale(self) -> np.ndarray:
@@ -256,8 +333,7 @@ class Trainer:
         features with unit-RMS channels; `export` folds the scale into fc, so a drafter folder takes the
         target's raw features like any other."""
         if self.caches:
-            rows = self.caches["train"].rows
-            rows = np.asarray(rows[:: max(1, len(rows) // 20000)], np.float32)
+            rows = self.caches["train"].row_sample(20000)
         else:
             rows = np.concatenate([np.array(self.target.sequence_features(mx.array(s.tokens[None]))[0])
                                    for s in self.train_samples[:16]])
@@ -292,13 +368,16 @@ class Trainer:
         if not (self.checkpoint / "state.json").exists():
             return False
         state = json.loads((self.checkpoint / "state.json").read_text())
-        free = ("steps", "eval_every", "checkpoint_every")
+        free = ("steps", "eval_every", "checkpoint_every", "time_budget")
         # settings added after a checkpoint was written take their defaults, which is what it ran with
         defaults = {f.name: f.default for f in fields(TrainSettings) if f.default is not MISSING}
         recorded = {k: v for k, v in {**defaults, **state["settings"]}.items() if k not in free}
         current = {k: v for k, v in asdict(self.settings).items() if k not in free}
-        if recorded != current:
-            raise ValueError(f"{self.checkpoint} was made with other settings ({recorded}); use another --out")
+        differ = {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}
+        if differ:
+            raise ValueError(f"{self.checkpoint} was made with other settings ("
+                             + ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+                             + "); use the same settings to continue it, or another --out")
         self.drafter.load_weights(list(mx.load(str(self.checkpoint / "drafter.safetensors")).items()))
         # in place: the compiled step holds this very tree as one of its inputs
         for name, value in mx.load(str(self.checkpoint / "optimizer.safetensors")).items():
@@ -312,22 +391,50 @@ class Trainer:
         return True
 
     # -- training ------------------------------------------------------------------------------------------
+    def soft_targets(self, batch: Batch, split: str, teacher=None) -> tuple[mx.array, mx.array]:
+        """The target's top-k next tokens at every draft row of `batch` ([N, B-1, k] training-vocabulary
+        indices, -1 outside it, and their probabilities renormalized over the kept ones), from the feature
+        cache or from `teacher` (ids, log-probabilities [S, L, k] of the batch's sequences)."""
+        anchors = np.array(batch.where.anchors)  # [S, A]
+        S, A = anchors.shape
+        rows = anchors[:, :, None] + np.arange(self.settings.block_size - 1)  # the row before each draft's token
+        ids, logprobs = [], []
+        for s, sample in enumerate(batch.picked):
+            n = len((self.train_samples if split == "train" else self.heldout)[sample].tokens)
+            r = np.minimum(rows[s], n - 1)  # past the end: any row (its label is -1, its weight 0)
+            if teacher is None:
+                i, lp = self.caches[split].teacher_rows(sample, r)
+            else:
+                i, lp = np.array(teacher[0][s])[r], np.array(teacher[1][s])[r]
+            ids.append(i)
+            logprobs.append(lp)
+        index = self._index[np.concatenate(ids)]  # [N, B-1, k]
+        probs = np.where(index >= 0, np.exp(np.concatenate(logprobs)), 0)
+        probs /= np.maximum(probs.sum(-1, keepdims=True), 1e-9)
+        return mx.array(index), mx.array(probs.astype(np.float32))
+
     def train_step(self) -> float:
         batch = make_batch(self.train_samples, self.step, self.settings, self.drafter.config.mask_token_id)
-        context = self.context(batch, "train")
+        if self.settings.distill and "train" not in self.caches:
+            features, *teacher = self.target.teacher(batch.tokens, TEACHER_TOP_K)
+            context = features.astype(mx.float32) * self.feature_scale
+            soft = self.soft_targets(batch, "train", teacher)
+        else:
+            context = self.context(batch, "train")
+            soft = self.soft_targets(batch, "train") if self.settings.distill else _NO_SOFT
         labels = mx.where(batch.labels >= 0, self.vocab_index[mx.maximum(batch.labels, 0)], -1)
-        loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, _prev_gold(batch))
+        loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, _prev_gold(batch), *soft)
         mx.eval(loss, self.drafter.state, self.optimizer.state)
         self.step += 1
         return loss.item()
 
-    def evaluate(self) -> float:
-        """Acceptance length tau on held-out samples, teacher-forced: with greedy-regenerated data the
-        response IS the target's greedy continuation, so the leading matches of each block's greedy drafts
-        are exactly what verification would accept. tau = mean(accepted + 1)."""
+    def evaluate(self) -> Evaluation:
+        """Acceptance on held-out samples, teacher-forced: with greedy-regenerated data the response IS the
+        target's greedy continuation, so the leading matches of each block's greedy drafts are exactly what
+        verification would accept. tau = mean(accepted + 1); first_draft = how often draft 1 is right."""
         if not self.heldout:
-            return float("nan")
-        accepted = []
+            return Evaluation(float("nan"), float("nan"))
+        accepted, first = [], []
         for start in range(0, len(self.heldout), 4):
             chunk = self.heldout[start : start + 4]
             batch = make_batch(chunk, EVAL_STEP, self.settings, self.drafter.config.mask_token_id, sequences=len(chunk))
@@ -341,7 +448,8 @@ class Trainer:
             ])
             match = np.array((drafts == batch.labels) & (batch.labels >= 0))
             accepted += list(np.cumprod(match, axis=1).sum(axis=1))
-        return float(np.mean(accepted) + 1) if accepted else float("nan")
+            first += list(match[:, 0])
+        return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)))
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
         """Train (from the last checkpoint, if any) to `settings.steps`, or stop early at step `until`
@@ -352,6 +460,7 @@ class Trainer:
         s = self.settings
         stop = min(until or s.steps, s.steps)
         tic = time.perf_counter()
+        budget = None if s.time_budget is None else tic + 60 * s.time_budget
         with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("loss {task.fields[loss]:.3f}  tau {task.fields[tau]}"), TimeRemainingColumn(),
                       disable=not progress) as bar:
@@ -361,11 +470,16 @@ class Trainer:
                 loss = self.train_step()
                 entry = {"step": self.step, "loss": loss, "seconds": time.perf_counter() - tic}
                 if self.step % s.eval_every == 0 or self.step == s.steps:
-                    entry["tau"] = round(self.evaluate(), 4)
+                    tau, first = self.evaluate()
+                    entry.update(tau=round(tau, 4), first_draft=round(first, 4))
+                    write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
-                if self.step % s.checkpoint_every == 0 or self.step == stop:
+                out_of_time = budget is not None and time.perf_counter() > budget
+                if self.step % s.checkpoint_every == 0 or self.step == stop or out_of_time:
                     self.save_checkpoint()
+                if out_of_time:
+                    break
         return {"resumed": resumed, "step": self.step, "log": self.log}
 
     def export(self, folder: str | Path) -> Path:
@@ -384,6 +498,39 @@ class Trainer:
             write_draft_vocab(folder, self.drafter.draft_vocab)
         np.save(folder / COUNTS_FILE, token_counts(self.settings.data, self.drafter.config.vocab_size))
         return folder
+
+
+class Evaluation(NamedTuple):
+    tau: float  # mean committed tokens per block, bonus included
+    first_draft: float  # fraction of blocks whose first draft is right
+
+
+CURVE_FILE = "curve.csv"
+
+
+def write_curve(path: Path, log: list[dict]) -> None:
+    """The learning curve as CSV: per evaluation, the step, the mean training loss since the previous
+    evaluation, held-out tau and first-draft accuracy, and the training wall time so far."""
+    lines, losses = ["step,train_loss,heldout_tau,heldout_first_draft,train_seconds"], []
+    elapsed, last = 0.0, 0.0
+    for entry in log:
+        if entry["seconds"] < last:  # a resumed run's clock starts again
+            elapsed += last
+        last = entry["seconds"]
+        losses.append(entry["loss"])
+        if "tau" in entry:
+            lines.append(f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
+                         f"{elapsed + last:.1f}")
+            losses = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def sparkline(values: list[float]) -> str:
+    """One block character per value, scaled between the values' min and max."""
+    bars = "▁▂▃▄▅▆▇█"
+    lo, hi = min(values, default=0), max(values, default=0)
+    return "".join(bars[0 if hi == lo else round((v - lo) / (hi - lo) * (len(bars) - 1))] for v in values)
 
 
 def run_seconds(log: list[dict]) -> list[float]:
@@ -413,6 +560,7 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "train_seconds": round(sum(runs), 1),
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
+        "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
     }
     (folder / "card.json").write_text(json.dumps(card, indent=2))
@@ -425,6 +573,9 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"{trainer.settings.anchors_per_sequence} anchors, block {trainer.settings.block_size}, "
         f"{trainer.settings.layers} layer(s), {card['parameters']:,} parameters",
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}",
+        f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
+        f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
+        if evals else "- no evaluation yet",
         f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
     (folder / "README.md").write_text("\n".join(lines) + "\n")
