@@ -478,3 +478,28 @@ def test_time_budget_stops_with_a_checkpoint_and_the_rerun_continues(tmp_path, t
     again = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100))
     result = again.run(progress=False)
     assert result["resumed"] and result["step"] == 6
+
+
+def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tiny_pair):
+    """apps/train_budget.sh (the one command for a GPU machine; here on the CPU) stops at its budget with a
+    checkpoint, and `dflash2 train` with the same flags continues that checkpoint to the end."""
+    import subprocess
+
+    from dflash2_apps.cli import main
+
+    target, _ = tiny_pair
+    assert main(["data", "--model", str(target), "--out", str(tmp_path / "d"), "--num-prompts", "6",
+                 "--max-new-tokens", "12", "--batch-size", "3", "--max-prompt-tokens", "400"]) == 0
+    flags = ["--model", str(target), "--steps", "5", "--block-size", "4", "--sequences-per-step", "2",
+             "--anchors-per-sequence", "4", "--eval-every", "5", "--selector-rank", "16", "--checkpoint-every", "5"]
+    script = Path(__file__).parents[1] / "apps" / "train_budget.sh"
+    run = subprocess.run(["bash", str(script), str(tmp_path / "d"), str(tmp_path / "t"), "0.000001", *flags],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    state = json.loads((tmp_path / "t" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 1  # out of time after the first step
+    assert main(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "t"), *flags]) == 0
+    state = json.loads((tmp_path / "t" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 5 and [e["step"] for e in state["log"]] == [1, 2, 3, 4, 5]
+    usage = subprocess.run(["bash", str(script), str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage: bash apps/train_budget.sh DATA OUT MINUTES" in usage.stderr
