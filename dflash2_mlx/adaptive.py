@@ -129,23 +129,45 @@ def cost_key(target, drafter, block_max: int) -> str:
     return " | ".join(parts)
 
 
-def load_or_measure_costs(target, drafter, block_max: int) -> CostModel:
-    """The cached cost model of this target, drafter and machine, measured (and cached) if missing."""
-    key, path = cost_key(target, drafter, block_max), _cache_file()
+def _read_costs(path: Path) -> dict:
     try:
-        known = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        known = {}
-    if key in known:
-        return CostModel(**known[key])
-    logger.info("measuring this machine's cycle costs for %s (once; cached in %s)", target.model_type, path)
-    costs = measure_costs(target, drafter, block_max)
-    known[key] = asdict(costs)
+        return {}
+
+
+def _write_costs(path: Path, known: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(known, indent=1))
     os.replace(tmp, path)
+
+
+def load_or_measure_costs(target, drafter, block_max: int) -> CostModel:
+    """The cached cost model of this target, drafter and machine, measured (and cached) if missing."""
+    key, path = cost_key(target, drafter, block_max), _cache_file()
+    known = _read_costs(path)
+    if key in known:
+        return CostModel(**known[key])
+    logger.info("measuring this machine's cycle costs for %s (once; cached in %s)", target.model_type, path)
+    costs = measure_costs(target, drafter, block_max)
+    _write_costs(path, {**known, key: asdict(costs)})
     return costs
+
+
+def forget_costs(target, drafter, block_max: int) -> None:
+    """Drop the cached costs of this target, drafter and machine: the next generation measures them again."""
+    key, path = cost_key(target, drafter, block_max), _cache_file()
+    known = _read_costs(path)
+    if known.pop(key, None) is not None:
+        logger.info("the cached cycle costs of %s no longer match this machine; they will be measured again",
+                    target.model_type)
+        _write_costs(path, known)
+
+
+# Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the
+# measurement no longer describes the machine (made while it was busy, or before an upgrade).
+STALE_RATIO = 2.0
 
 
 class FixedBlocks:
@@ -241,6 +263,14 @@ class AdaptiveBlocks:
 
     def observe_plain(self, steps: int, seconds: float) -> None:
         self.scale_plain = self._mix(self.scale_plain, seconds / steps / self.costs.passes_s(1))
+
+    def stale(self) -> bool:
+        """Whether this generation's timings say the measured costs are off by more than STALE_RATIO: plain
+        steps against their measured time, or cycles against plain steps (the curve's shape)."""
+        if self.scale_plain is None:
+            return False
+        ratios = [self.scale_plain] + ([self.scale_draft / self.scale_plain] if self.scale_draft else [])
+        return any(not 1 / STALE_RATIO <= r <= STALE_RATIO for r in ratios)
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new

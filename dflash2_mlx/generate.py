@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlocks, FixedBlocks, load_or_measure_costs
+from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure_costs
 from .decode import dflash_steps, plain_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
@@ -205,6 +205,8 @@ def stream_generate(
                     return
     finally:
         steps.close()  # leaves the target as it was (feature taps removed)
+        if verify_mode == "adaptive" and blocks.stale():
+            forget_costs(target, drafter, blocks.block_max)  # measured again by the next generation
 
 
 def generate(

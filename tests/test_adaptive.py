@@ -171,3 +171,30 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch, tokenizer):
     with pytest.raises(pytest.fail.Exception, match="measured twice"):
         load_or_measure_costs(target, drafter, 3)  # another block range is another measurement
 
+
+
+@pytest.mark.parametrize("plain_off, cycle_off, stale", [(1.0, 1.3, False), (0.1, 0.1, True), (5.0, 5.0, True),
+                                                        (1.0, 3.0, True), (1.8, 1.0, False)])
+def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypatch, tokenizer, plain_off, cycle_off,
+                                                             stale):
+    """A cost model measured while the machine was busy (or before it changed) is dropped from the cache
+    when a generation's timed plain steps, or its cycles relative to them, are more than 2x off it; the
+    next generation measures again. Timings within 2x keep it."""
+    monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
+    model = make_target("qwen3", seed=1)
+    drafter = make_drafter(model, block_size=4, seed=1)
+    key = adaptive.cost_key(bind_drafter(drafter, model), drafter, 4)
+    costs = CostModel(COSTS.verify_s[:4], COSTS.draft_s[:3])
+    (tmp_path / "costs.json").write_text(json.dumps({key: {"verify_s": costs.verify_s, "draft_s": costs.draft_s},
+                                                     "another machine": {"verify_s": [1.0], "draft_s": []}}))
+    cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
+    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
+                        lambda self, B, a, s: cycle(self, B, a, cycle_off * plain_off * costs.passes_s(B)))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s: plain(self, n, plain_off * n * costs.verify_s[0]))
+    generate(model, tokenizer, prompts(1, seed=2)[0], drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
+    kept = json.loads((tmp_path / "costs.json").read_text())
+    assert (key not in kept) == stale and "another machine" in kept
+    if stale:
+        monkeypatch.setattr(adaptive, "measure_costs", lambda *a: costs)
+        load_or_measure_costs(bind_drafter(drafter, model), drafter, 4)
+        assert key in json.loads((tmp_path / "costs.json").read_text())
