@@ -11,7 +11,7 @@ KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal e
 
 
 def _generate_parser(sub) -> None:
-    from dflash2_mlx.generate import VERIFY_MODES
+    from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
 
     p = sub.add_parser(
         "generate",
@@ -41,8 +41,13 @@ def _generate_parser(sub) -> None:
         "--verify-mode", choices=VERIFY_MODES, default=None,
         help="adaptive (default, as oMLX): each cycle's block size, or plain steps, picked from this machine's "
         "measured costs and the acceptance so far, never slower than plain decoding by design; dflash: every "
-        "cycle at --block-size; off: plain decoding of the same target through the same loader (the baseline)",
+        "cycle at --block-size; ddtree: every cycle verifies a tree of drafts (--tree-budget nodes, at most "
+        "--block-size - 1 deep) in one target pass; off: plain decoding of the same target through the same loader "
+        "(the baseline)",
     )
+    p.add_argument("--tree-budget", type=int, metavar="N",
+                   help=f"ddtree mode: draft nodes per tree (default {DEFAULT_TREE_BUDGET}), built best-first from "
+                   "the drafter's lattice")
     p.add_argument(
         "--path", choices=["greedy", "viterbi"], default="greedy",
         help="how a DFlash 2 drafter's path selector walks its candidates at T = 0",
@@ -135,6 +140,7 @@ def _run_generate(args) -> int:
         block_size=args.block_size,
         verify_mode=args.verify_mode,
         walk=args.path,
+        tree_budget=args.tree_budget,
         max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
@@ -455,7 +461,8 @@ def _run_info(args) -> int:
 
 
 def _summary(r) -> str:
-    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}"}.get(r.verify_mode, "plain")
+    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}",
+            "ddtree": f"ddtree B<={r.block_size} budget {r.tree_budget}"}.get(r.verify_mode, "plain")
     parts = [
         f"[{mode}] {r.generation_tokens} tokens at {r.generation_tps:.1f} tok/s",
         f"prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s",
