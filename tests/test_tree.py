@@ -284,3 +284,40 @@ def test_cli_ddtree(tiny_pair, capsys):
     assert tree["tree_budget"] == 4 and tree["block_size"] == 8 and tree["cycles"] > 0
     assert main(common + ["--draft-model", str(drafter), "--verify-mode", "ddtree"]) == 0
     assert "[ddtree B<=8 budget 16]" in capsys.readouterr().err
+
+
+# -- teacher-forced simulation --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["v1", "dflash2"])
+def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
+    """On a target with 16 tokens (random drafters then accept often, through several siblings), the simulated
+    acceptance at each anchor a real generation visits is the real cycle's, for the tree and the linear path."""
+    from dflash2_mlx.train.data import Sample
+    from dflash2_mlx.train.tree_eval import simulate_tree_acceptance
+
+    model = make_target("qwen3", vocab=16, seed=6)
+    make = make_drafter if kind == "v1" else make_dflash2_drafter
+    # flat draft logits: wide trees, so acceptance goes through later siblings
+    drafter = make(model, block_size=5, seed=2, mask_token_id=15, output_multiplier=0.05,
+                   **({} if kind == "v1" else dict(selector_top_k=8)))
+    prompt, n = [3, 9, 4, 1, 7], 60
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=n, eos_token_ids=[])
+    sample = Sample("s", np.array(prompt + plain, np.int32), len(prompt), True)
+    budgets = [1, 4, 16]
+    sim = simulate_tree_acceptance(Target(model, drafter.config.target_layer_ids), drafter, [sample], budgets)
+    assert sim["blocks"] == n - 5 + 1
+    modes = [("linear", dict(verify_mode="dflash"))] + [(b, dict(verify_mode="ddtree", tree_budget=b)) for b in budgets]
+    for key, kw in modes:
+        spec, accepted, _ = run(model, tokenizer, prompt, drafter, block_size=5, max_tokens=n, eos_token_ids=[], **kw)
+        assert spec == plain
+        simulated = sim["linear"] if key == "linear" else sim["tree"][key]
+        position, checked = 0, 0
+        for a in accepted:
+            if position < len(simulated):
+                assert a == simulated[position], (key, position)
+                checked += 1
+            position += a + 1
+        assert checked >= 8
+    taus = [np.mean(sim["tree"][b]) + 1 for b in budgets]
+    assert taus[0] < taus[1] < taus[2] and np.mean(sim["linear"]) + 1 < taus[2], taus
