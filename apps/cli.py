@@ -356,6 +356,13 @@ def _bench_parser(sub) -> None:
     p.add_argument("--compare", metavar="FILE",
                    help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
                    "SGLang responses (JSONL), or 'published'")
+    p.add_argument("--tree-sim", metavar="DATA",
+                   help="instead of timing: teacher-forced tau of the linear path and of ddtree trees per budget, on "
+                   "the held-out samples of this `dflash2 data` folder (greedy responses of this target)")
+    p.add_argument("--tree-budgets",
+                   help="comma-separated tree budgets: a ddtree row per budget (at each block size), or the columns "
+                   "of --tree-sim (default there: 1,2,4,8,16,32)")
+    p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
     p.set_defaults(run=_run_bench)
 
 
@@ -397,8 +404,11 @@ def _run_bench(args) -> int:
         tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
         if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
     ]
+    if args.tree_sim:
+        return _tree_sim(args, model, drafters)
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
-    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")))
+    budgets = tuple(int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
+    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
     report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
@@ -420,6 +430,33 @@ def _run_bench(args) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown)
     return 1 if report["errors"] else 0
+
+
+def _tree_sim(args, model, drafters) -> int:
+    """`bench --tree-sim`: the teacher-forced tau table, one row per drafter (and block size)."""
+    from dflash2_mlx.loading import bind_drafter
+    from dflash2_mlx.train.data import read_shards
+    from dflash2_mlx.train.tree_eval import simulate_tree_acceptance
+
+    samples = read_shards(args.tree_sim, heldout=True)[: args.tree_sim_samples]
+    if not samples:
+        raise ValueError(f"{args.tree_sim} holds no held-out samples: give a `dflash2 data` folder of this target")
+    budgets = [int(b) for b in (args.tree_budgets or "1,2,4,8,16,32").split(",")]
+    sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else [None]
+    lines = [f"teacher-forced tau on {len(samples)} held-out samples of {args.tree_sim}", "",
+             "| drafter | B | blocks | linear | " + " | ".join(f"tree {b}" for b in budgets) + " |",
+             "|---|---|---|---|" + "---|" * len(budgets)]
+    for label, drafter in drafters:
+        for B in sizes:
+            sim = simulate_tree_acceptance(bind_drafter(drafter, model), drafter, samples, budgets, B)
+            taus = [sum(sim["tree"][b]) / sim["blocks"] + 1 for b in budgets]
+            lines.append(f"| {label} | {B or drafter.config.block_size} | {sim['blocks']} | "
+                         f"{sum(sim['linear']) / sim['blocks'] + 1:.2f} | " + " | ".join(f"{t:.2f}" for t in taus) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
 
 
 def _info_parser(sub) -> None:

@@ -321,3 +321,30 @@ def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
         assert checked >= 8
     taus = [np.mean(sim["tree"][b]) + 1 for b in budgets]
     assert taus[0] < taus[1] < taus[2] and np.mean(sim["linear"]) + 1 < taus[2], taus
+
+
+def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
+    from mlx_lm.utils import load_model
+
+    from dflash2_apps.cli import main
+    from dflash2_mlx.train.data import Sample, write_shard
+
+    target, drafter = tiny_pair
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
+                 "--tree-budgets", "2,8", "--json", str(tmp_path / "b.json")]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
+    for budget in (2, 8):
+        row = rows[f"drafter B=4 ddtree {budget}"]
+        assert row["kind"] == "ddtree" and row["lossless"] is True and row["cycles"] > 0
+    # the simulation reads the held-out split of a data folder: greedy responses of this target
+    model, _ = load_model(target)
+    prompt = [3, 9, 4, 1, 7]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=30, eos_token_ids=[])
+    write_shard(tmp_path / "shard-00000.npz", [Sample("a", np.array(prompt + plain, np.int32), 5, True),
+                                               Sample("b", np.array(prompt + plain, np.int32), 5, False)])
+    capsys.readouterr()
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--tree-sim", str(tmp_path),
+                 "--tree-budgets", "1,4", "--markdown", str(tmp_path / "sim.md")]) == 0
+    table = (tmp_path / "sim.md").read_text()
+    assert "teacher-forced tau on 1 held-out samples" in table and "| tree 1 | tree 4 |" in table
+    assert "| drafter | 8 | 23 | " in table  # 30 response tokens, anchors with 7 after them
