@@ -191,7 +191,8 @@ def keep_path_first(cache: list, rows: int, path: list[int]) -> None:
     path order: rolling back the rest (`Capture.rollback`, keep = len(path)) then leaves exactly the path."""
     if path == list(range(len(path))):
         return
-    order = mx.array(path + [i for i in range(rows) if i not in set(path)])
+    kept = set(path)
+    order = mx.array(path + [i for i in range(rows) if i not in kept])
     for c in cache:
         # a multi-token update leaves a rotating cache in temporal order, its end at _idx
         end = c._idx if isinstance(c, RotatingKVCache) else c.offset

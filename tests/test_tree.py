@@ -348,3 +348,15 @@ def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
     table = (tmp_path / "sim.md").read_text()
     assert "teacher-forced tau on 1 held-out samples" in table and "| tree 1 | tree 4 |" in table
     assert "| drafter | 8 | 23 | " in table  # 30 response tokens, anchors with 7 after them
+
+
+def test_tree_mode_leaves_the_model_as_it_was(tokenizer):
+    model = make_target("qwen3", seed=1)
+    ropes = [layer.self_attn.rope for layer in model.layers]
+    before = model(mx.array([[5, 6, 7]]))
+    spec, _, _ = run(model, tokenizer, [5, 6, 7], make_drafter(model, block_size=4), verify_mode="ddtree",
+                     max_tokens=10, eos_token_ids=[])
+    assert len(spec) == 10
+    assert all(layer.self_attn.rope is rope for layer, rope in zip(model.layers, ropes))
+    assert all("rope" not in layer.self_attn.__dict__ for layer in model.layers)
+    np.testing.assert_array_equal(np.array(model(mx.array([[5, 6, 7]]))), np.array(before))
