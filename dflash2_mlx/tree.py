@@ -137,9 +137,10 @@ class _DepthRoPE:
     """A layer's RoPE at positions offset + depth of each node (node i of a [1, H, N+1, D] tensor)."""
 
     def __init__(self, rope, depths: mx.array):
-        self.rope, self.depths = rope, depths
+        self.rope, self.depths, self.calls = rope, depths, 0
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
+        self.calls += 1
         # the nodes as a batch of one-row sequences, each with its own offset
         return self.rope(x.swapaxes(0, 2), offset=offset + self.depths).swapaxes(0, 2)
 
@@ -164,8 +165,11 @@ def tree_attention(target, cache: list, tree: Tree):
     depths = mx.array(tree.depths)
     ancestors = mx.array(tree.ancestors())
 
+    masks = []
+
     def make_mask(c):
         def mask(N, return_array=False, window_size=None):
+            masks.append(N)
             if N != tree.size:
                 raise RuntimeError(f"a tree pass feeds {tree.size} tokens, the model fed {N}")
             context = min(c.offset, c.max_size - 1) if isinstance(c, RotatingKVCache) else c.offset
@@ -179,6 +183,14 @@ def tree_attention(target, cache: list, tree: Tree):
         for attn in layers:
             attn.__dict__["rope"] = _DepthRoPE(attn.rope, depths)
         yield
+        # A model that builds its mask or positions some other way would have verified a causal chain, not the
+        # tree: refuse rather than commit tokens the target never chose.
+        if not masks or any(attn.__dict__["rope"].calls == 0 for attn in layers):
+            raise RuntimeError(
+                f"the {target.model_type} model did not take the tree mask from its caches' make_mask or the "
+                "node positions from its attention layers' rope: tree verification (--verify-mode ddtree) does "
+                "not support it; use --verify-mode dflash or adaptive"
+            )
     finally:
         for attn in layers:
             attn.__dict__.pop("rope", None)

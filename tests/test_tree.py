@@ -360,3 +360,19 @@ def test_tree_mode_leaves_the_model_as_it_was(tokenizer):
     assert all(layer.self_attn.rope is rope for layer, rope in zip(model.layers, ropes))
     assert all("rope" not in layer.self_attn.__dict__ for layer in model.layers)
     np.testing.assert_array_equal(np.array(model(mx.array([[5, 6, 7]]))), np.array(before))
+
+
+def test_a_model_that_ignores_the_tree_mask_is_refused():
+    """A model whose forward never asks its caches for a mask would verify a causal chain: refused, loudly."""
+    model = make_target("qwen3", seed=1)
+    target = Target(model, (1, 3))
+    tree = hand_tree(range(10, 10 + len(HAND_TREE)))
+    with target.capture() as tap:
+        cache = target.make_cache()
+        tap.prefill(mx.array([5, 6, 7]), cache)
+        with pytest.raises(RuntimeError, match="did not take the tree mask"):
+            with tree_attention(target, cache, tree):
+                for c in cache:  # the causal mask such a model builds on its own
+                    c.make_mask = lambda N, **kw: "causal"
+                tap.verify(mx.array(tree.tokens), cache)
+    assert all("make_mask" not in c.__dict__ for c in cache)
