@@ -246,6 +246,17 @@ def test_tree_sampling_follows_mlx_lm(pair, name, budget):
     assert 0 < np.mean(accepted) < 2  # drafts both kept and rejected
 
 
+def test_dflash2_tree_sampling_follows_mlx_lm():
+    """Trees from the selector's lattice (top-3 of 4 tokens, pair scores shaping the branches)."""
+    model = make_target("llama", vocab=V, seed=21)
+    drafter = make_dflash2_drafter(model, block_size=4, seed=5, output_multiplier=4.0, selector_top_k=3)
+    params = SETTINGS["t0.7-topp0.9"]
+    counts, accepted = sample_tree_sequences(bind_drafter(drafter, model), drafter, params, seed=3, budget=5)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not mlx-lm's sampling distribution"
+    assert 0 < np.mean(accepted) < 2
+
+
 def _siblings_without_residual(tree, target_logits, params):
     """Recursive rejection that forgets to take the rejected siblings out of the residual: sibling i is kept
     with probability p(x_i) (not r_i(x_i)), and the bonus is drawn from the whole p."""
