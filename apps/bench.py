@@ -20,11 +20,12 @@ import mlx.core as mx
 @dataclass
 class Method:
     name: str
-    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive"
+    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree"
     drafter: object = None
     block_size: int | None = None
     walk: str = "greedy"
     drafter_label: str | None = None
+    tree_budget: int | None = None  # ddtree only
 
 
 @dataclass
@@ -58,8 +59,9 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
                    len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
     tokens, accepted, plain_tokens, last = [], [], 0, None
     mode = "off" if method.kind == "plain" else method.kind
+    tree = {"tree_budget": method.tree_budget} if mode == "ddtree" else {}
     for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
-                                block_size=method.block_size, verify_mode=mode, walk=method.walk):
+                                block_size=method.block_size, verify_mode=mode, walk=method.walk, **tree):
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
@@ -296,7 +298,7 @@ def render(report: dict, console=None) -> str:
 
 
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
-                walks: tuple[str, ...] = ("greedy", "viterbi")) -> list[Method]:
+                walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int, ...] = ()) -> list[Method]:
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
         methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
@@ -310,6 +312,8 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
             for walk in walks if drafter.config.is_dflash2 else ("greedy",):
                 name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
                 methods.append(Method(name, "dflash", drafter, B, walk, label))
+            for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
+                methods.append(Method(f"{label} B={B} ddtree {budget}", "ddtree", drafter, B, "greedy", label, budget))
     if classic:
         for B in block_sizes or [4]:
             methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B))

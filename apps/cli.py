@@ -11,7 +11,7 @@ KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal e
 
 
 def _generate_parser(sub) -> None:
-    from dflash2_mlx.generate import VERIFY_MODES
+    from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
 
     p = sub.add_parser(
         "generate",
@@ -41,8 +41,13 @@ def _generate_parser(sub) -> None:
         "--verify-mode", choices=VERIFY_MODES, default=None,
         help="adaptive (default, as oMLX): each cycle's block size, or plain steps, picked from this machine's "
         "measured costs and the acceptance so far, never slower than plain decoding by design; dflash: every "
-        "cycle at --block-size; off: plain decoding of the same target through the same loader (the baseline)",
+        "cycle at --block-size; ddtree: every cycle verifies a tree of drafts (--tree-budget nodes, at most "
+        "--block-size - 1 deep) in one target pass; off: plain decoding of the same target through the same loader "
+        "(the baseline)",
     )
+    p.add_argument("--tree-budget", type=int, metavar="N",
+                   help=f"ddtree mode: draft nodes per tree (default {DEFAULT_TREE_BUDGET}), built best-first from "
+                   "the drafter's lattice")
     p.add_argument(
         "--path", choices=["greedy", "viterbi"], default="greedy",
         help="how a DFlash 2 drafter's path selector walks its candidates at T = 0",
@@ -135,6 +140,7 @@ def _run_generate(args) -> int:
         block_size=args.block_size,
         verify_mode=args.verify_mode,
         walk=args.path,
+        tree_budget=args.tree_budget,
         max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
@@ -350,6 +356,13 @@ def _bench_parser(sub) -> None:
     p.add_argument("--compare", metavar="FILE",
                    help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
                    "SGLang responses (JSONL), or 'published'")
+    p.add_argument("--tree-sim", metavar="DATA",
+                   help="instead of timing: teacher-forced tau of the linear path and of ddtree trees per budget, on "
+                   "the held-out samples of this `dflash2 data` folder (greedy responses of this target)")
+    p.add_argument("--tree-budgets",
+                   help="comma-separated tree budgets: a ddtree row per budget (at each block size), or the columns "
+                   "of --tree-sim (default there: 1,2,4,8,16,32)")
+    p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
     p.set_defaults(run=_run_bench)
 
 
@@ -391,8 +404,11 @@ def _run_bench(args) -> int:
         tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
         if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
     ]
+    if args.tree_sim:
+        return _tree_sim(args, model, drafters)
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
-    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")))
+    budgets = tuple(int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
+    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
     report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
@@ -414,6 +430,33 @@ def _run_bench(args) -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown)
     return 1 if report["errors"] else 0
+
+
+def _tree_sim(args, model, drafters) -> int:
+    """`bench --tree-sim`: the teacher-forced tau table, one row per drafter (and block size)."""
+    from dflash2_mlx.loading import bind_drafter
+    from dflash2_mlx.train.data import read_shards
+    from dflash2_mlx.train.tree_eval import simulate_tree_acceptance
+
+    samples = read_shards(args.tree_sim, heldout=True)[: args.tree_sim_samples]
+    if not samples:
+        raise ValueError(f"{args.tree_sim} holds no held-out samples: give a `dflash2 data` folder of this target")
+    budgets = [int(b) for b in (args.tree_budgets or "1,2,4,8,16,32").split(",")]
+    sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else [None]
+    lines = [f"teacher-forced tau on {len(samples)} held-out samples of {args.tree_sim}", "",
+             "| drafter | B | blocks | linear | " + " | ".join(f"tree {b}" for b in budgets) + " |",
+             "|---|---|---|---|" + "---|" * len(budgets)]
+    for label, drafter in drafters:
+        for B in sizes:
+            sim = simulate_tree_acceptance(bind_drafter(drafter, model), drafter, samples, budgets, B)
+            taus = [sum(sim["tree"][b]) / sim["blocks"] + 1 for b in budgets]
+            lines.append(f"| {label} | {B or drafter.config.block_size} | {sim['blocks']} | "
+                         f"{sum(sim['linear']) / sim['blocks'] + 1:.2f} | " + " | ".join(f"{t:.2f}" for t in taus) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
 
 
 def _info_parser(sub) -> None:
@@ -455,7 +498,8 @@ def _run_info(args) -> int:
 
 
 def _summary(r) -> str:
-    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}"}.get(r.verify_mode, "plain")
+    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}",
+            "ddtree": f"ddtree B<={r.block_size} budget {r.tree_budget}"}.get(r.verify_mode, "plain")
     parts = [
         f"[{mode}] {r.generation_tokens} tokens at {r.generation_tps:.1f} tok/s",
         f"prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s",

@@ -1,4 +1,5 @@
-"""The decode loops. `dflash_steps` is the whole draft-verify cycle; `plain_steps` is the baseline.
+"""The decode loops. `dflash_steps` is the whole draft-verify cycle, `tree_steps` the same cycle verifying a
+token tree (`tree.py`); `plain_steps` is the baseline.
 
 Both yield a `Step` per decode step and never stop on their own: the caller (`generate.stream_generate`)
 cuts at EOS and `max_tokens`. Passing `max_tokens` lets the last cycle shrink its block instead of
@@ -11,11 +12,14 @@ import time
 from typing import Iterator, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams, accept, sample
 from .target import Capture, Target
+from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
+                   tree_attention)
 
 
 class Step(NamedTuple):
@@ -89,6 +93,49 @@ def dflash_steps(
             blocks.observe_cycle(B, a, time.perf_counter() - tic)
             yield Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B)
             tic = time.perf_counter()
+
+
+def tree_steps(
+    target: Target,
+    drafter: DFlashDraftModel,
+    prompt: mx.array,
+    params: SamplingParams,
+    block_size: int,
+    budget: int,
+    max_tokens: int | None = None,
+    prefill_step_size: int = 2048,
+) -> Iterator[Step]:
+    """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep. Two reads per
+    cycle: the lattice (the tree is built on the host) and the target's choice at every node."""
+    check_target(target)
+    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    check_cache(cache)
+    mask_id = drafter.config.mask_token_id
+    with target.capture() as tap:
+        logits, context = tap.prefill(prompt, cache, prefill_step_size)
+        anchor = sample(logits, params).item()
+        yield Step([anchor])
+        produced = 1
+        while True:
+            B = block_size if max_tokens is None else max(2, min(block_size, max_tokens - produced + 1))
+            # Draft: one drafter pass over [anchor, mask * (B-1)], its rows read as a lattice, then a tree.
+            block = mx.array([[anchor] + [mask_id] * (B - 1)])
+            hidden, draft_logits = drafter.draft_rows(block, context[None], draft_cache)
+            lattice = drafter.tree_lattice(hidden, draft_logits, block[0, 0], V1_TOP_K)
+            finite = mx.all(mx.isfinite(draft_logits))
+            logq = draft_log_probs(lattice)
+            mx.eval(lattice.candidates, logq, finite)
+            finite = finite.item()  # non-finite draft logits draft nothing: the cycle commits the target's token
+            tree = build_tree(anchor, np.array(lattice.candidates), np.array(logq), budget if finite else 0)
+            # Verify: one target pass over the tree, each node at its depth seeing its ancestors only.
+            with tree_attention(target, cache, tree):
+                verified = tap.verify(mx.array(tree.tokens), cache)
+            path, anchor = accept_tree(tree, verified.logits, params)
+            keep_path_first(cache, tree.size, path)
+            tap.rollback(cache, verified, len(path))
+            context = verified.features[mx.array(path)]
+            produced += len(path)
+            yield Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B)
 
 
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):

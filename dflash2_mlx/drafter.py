@@ -21,7 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
 from .sampling import Proposal, SamplingParams, probabilities
-from .selector import WALKS, CandidateSelector, lattice_of, scored_path, walk_sampled
+from .selector import WALKS, CandidateSelector, Lattice, lattice_of, scored_path, walk_sampled
 from .short_conv import DynamicShortConv
 
 
@@ -303,3 +303,14 @@ class DFlashDraftModel(nn.Module):
             idx, q = walk_sampled(lattice_of(inputs), params)
         tokens = mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0]
         return Proposal(tokens, None if q is None else inputs.candidates, q, finite)
+
+    def tree_lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, v1_top_k: int) -> Lattice:
+        """What a token tree is built from (`tree.py`), arguments as for `choose`: DFlash 2's selector lattice;
+        for v1 drafters each row's top `v1_top_k` draft logits, the same whatever the predecessor."""
+        if self.config.is_dflash2:
+            selector, parts = self.candidate_selector, self._target
+            return lattice_of(selector.lattice_inputs(hidden, logits, anchor, parts.embed, parts.vocab_ids))
+        k = min(v1_top_k, logits.shape[-1])
+        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        unary = mx.take_along_axis(logits, top, axis=-1).astype(mx.float32)
+        return Lattice(self.draft_ids(top), mx.broadcast_to(unary[:, None, :], (top.shape[0], k, k)))

@@ -15,13 +15,14 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure_costs
-from .decode import dflash_steps, plain_steps
+from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
 from .sampling import SamplingParams
 from .target import Target
 
-VERIFY_MODES = ("adaptive", "dflash", "off")
+VERIFY_MODES = ("adaptive", "dflash", "ddtree", "off")
+DEFAULT_TREE_BUDGET = 16  # draft nodes per tree (the budget of the published DDTree numbers)
 
 
 @dataclass
@@ -52,7 +53,8 @@ class GenerationResult:
     peak_memory_gb: float
     finish_reason: str | None
     verify_mode: str
-    block_size: int | None  # dflash: the block size; adaptive: the largest it may choose
+    block_size: int | None  # dflash: the block size; adaptive: the largest it may choose; ddtree: 1 + the tree depth
+    tree_budget: int | None = None  # ddtree: draft nodes per tree
     draft_failures: int = 0  # cycles whose draft logits were non-finite (each fell back to a plain step)
     block_sizes: dict[int, int] = field(default_factory=dict)  # drafting cycles per block size
     plain_tokens: int = 0  # tokens from plain steps that adaptive mode chose over drafting
@@ -86,7 +88,7 @@ def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify
     adaptive mode may go up to the trained size."""
     trained = drafter.config.block_size
     if block_size is None:
-        if verify_mode == "adaptive" or not drafter.config.is_dflash2:
+        if verify_mode in ("adaptive", "ddtree") or not drafter.config.is_dflash2:
             return trained
         return min(DFLASH2_DEFAULT_BLOCK_CAP, trained)
     if not 2 <= block_size <= trained:
@@ -120,6 +122,7 @@ def stream_generate(
     block_size: int | None = None,
     verify_mode: str = "adaptive",
     walk: str = "greedy",
+    tree_budget: int | None = None,
     max_context: int | None = None,
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
@@ -134,6 +137,8 @@ def stream_generate(
     the distribution mlx-lm's own sampler draws from the target, speculative or not.
 
     walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
+    tree_budget: "ddtree" verifies a tree of up to this many draft nodes (default 16), at most block_size - 1
+    deep (default: the drafter's trained size), built best-first from the drafter's lattice (`tree.py`).
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
     the records then say verify_mode "off".
     """
@@ -141,6 +146,15 @@ def stream_generate(
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
     if verify_mode != "off" and drafter is None:
         raise ValueError(f"verify mode {verify_mode!r} needs a drafter (--draft-model); use 'off' for plain decoding")
+    if tree_budget is not None and verify_mode != "ddtree":
+        raise ValueError(f"tree_budget (--tree-budget) applies to verify mode 'ddtree', not {verify_mode!r}")
+    if verify_mode == "ddtree":
+        tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget
+        if not isinstance(tree_budget, int) or tree_budget < 1:
+            raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per tree), got {tree_budget!r}")
+        if walk != "greedy":
+            raise ValueError(f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
+                             "instead: leave the walk (--path) at greedy")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -159,7 +173,10 @@ def stream_generate(
             f"prompt token id {int(prompt.max())} is outside the target's vocabulary "
             f"({target.vocab_size}): was it encoded with another model's tokenizer?"
         )
-    if verify_mode != "off":
+    if verify_mode == "ddtree":
+        steps = tree_steps(target, drafter, prompt, params, resolve_block_size(drafter, block_size, verify_mode),
+                           tree_budget, max_tokens, prefill_step_size)
+    elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
         steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk)
@@ -253,6 +270,7 @@ def generate(
         finish_reason=last.finish_reason,
         verify_mode=last.verify_mode,
         block_size=resolve_block_size(drafter, kwargs.get("block_size"), last.verify_mode) if speculative else None,
+        tree_budget=(kwargs.get("tree_budget") or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
         draft_failures=failures,
         block_sizes=dict(sorted(block_sizes.items())),
         plain_tokens=plain_tokens,

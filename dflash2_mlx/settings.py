@@ -47,8 +47,9 @@ def from_omlx(path: str | Path, model_id: str) -> RuntimeSettings:
     mode = entry.get("dflash_verify_mode") or "adaptive"  # oMLX's default
     if not entry.get("dflash_enabled", False):
         mode = "off"
-    elif mode not in ("adaptive", "dflash", "off"):
-        raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash' or 'off'")
+    elif mode not in ("adaptive", "dflash", "ddtree", "off"):
+        raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash', 'ddtree' "
+                         "or 'off'")
     settings.verify_mode = mode
     if entry.get("dflash_draft_quant_enabled"):
         settings.draft_quant = DraftQuant(

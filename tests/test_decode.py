@@ -170,7 +170,7 @@ def test_bad_arguments(tokenizer):
     with pytest.raises(ValueError, match="needs a drafter"):
         run(model, tokenizer, [7, 8], None, verify_mode="dflash")
     with pytest.raises(ValueError, match="verify mode must be one of"):
-        run(model, tokenizer, [7, 8], drafter, verify_mode="ddtree")
+        run(model, tokenizer, [7, 8], drafter, verify_mode="tree")
     with pytest.raises(ValueError, match="prompt is empty"):
         run(model, tokenizer, [], drafter)
     with pytest.raises(ValueError, match="prompt token id 300 is outside the target's vocabulary"):

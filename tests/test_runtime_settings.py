@@ -92,8 +92,10 @@ def test_omlx_defaults_and_errors(tmp_path):
     s = from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_block_size=""), "my/model")
     assert s.verify_mode == "adaptive" and s.block_size is None and s.notes == []  # oMLX's default mode
     assert from_omlx(omlx_file(tmp_path, dflash_enabled=False), "my/model").verify_mode == "off"
-    with pytest.raises(ValueError, match="'ddtree' is not supported"):
-        from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="ddtree"), "my/model")
+    assert from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="ddtree"), "my/model").verify_mode \
+        == "ddtree"
+    with pytest.raises(ValueError, match="'tree' is not supported"):
+        from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="tree"), "my/model")
     with pytest.raises(ValueError, match="no entry for 'other/model'"):
         from_omlx(omlx_file(tmp_path), "other/model")
     with pytest.raises(FileNotFoundError, match="does not exist"):
