@@ -304,8 +304,9 @@ def render(report: dict, console=None) -> str:
             f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
     console.print(f"[bold]dflash2 bench[/] {head}")
     columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
-               "draft %", "ms/cycle: draft+verify+rest", "lossless", "accepted by position"]
+               "draft %", "ms/cycle", "lossless", "accepted by position"]
     table = Table(*columns)
+    table.columns[12].no_wrap = True
     md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     notes = {}  # note -> the methods it is about
     for r in report["results"]:
@@ -322,7 +323,7 @@ def render(report: dict, console=None) -> str:
                 f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
                 f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
                 f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
-                f"{r['cycle_ms']:.0f}: {r['draft_ms']:.0f}+{r['verify_ms']:.0f}+{r['overhead_ms']:.0f}"
+                f"{r['cycle_ms']:.0f}={r['draft_ms']:.0f}+{r['verify_ms']:.0f}+{r['overhead_ms']:.0f}"
                 if r.get("overhead_ms") is not None else "-",
                 {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
                 _sparkline(r["acceptance_by_position"]),
@@ -331,6 +332,9 @@ def render(report: dict, console=None) -> str:
         style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
         table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
     console.print(table)
+    legend = "ms/cycle: a cycle's time = drafter pass + verify pass + the rest (the loop's own overhead)"
+    console.print(legend)
+    md.append(f"\n{legend}")
     for note, methods in notes.items():
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
