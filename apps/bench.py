@@ -205,10 +205,10 @@ def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 5) -> t
     return statistics.median(draft_s), statistics.median(verify_s)
 
 
-def add_cycle_parts(row: dict, parts: tuple[float, float] | None) -> None:
+def add_cycle_parts(row: dict, parts: list[tuple[float, float]]) -> None:
     """draft_share (the drafter's part of draft + verify) and, with the row's measured cycle time, the
-    per-cycle overhead: cycle time minus the drafter and verify passes."""
-    draft_s, verify_s = parts or (None, None)
+    per-cycle overhead: cycle time minus the drafter and verify passes (`parts`: those of each trial)."""
+    draft_s, verify_s = (statistics.median(p[i] for p in parts) for i in (0, 1)) if parts else (None, None)
     row["draft_share"] = draft_s / (draft_s + verify_s) if parts else None
     row["draft_ms"] = 1000 * draft_s if parts else None
     row["verify_ms"] = 1000 * verify_s if parts else None
@@ -231,7 +231,8 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
             m.peer, m.note = None, str(e)
             return None
 
-    results, sample, parts = [], None, {}
+    results, sample = [], None
+    parts = {m.name: [] for m in methods}  # (drafter pass, verify pass) per trial of the first temperature
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
         task = bar.add_task("bench", total=total)
@@ -245,13 +246,13 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                     mx.random.seed(trial)
                     runs[m.name].append(
                         [attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
+                    if temp == temps[0]:  # greedy timings, right after the runs they split: drift hits both alike
+                        parts[m.name].append(attempt(m, cycle_parts, model, prompts[0]))
                     bar.advance(task, len(prompts))
             baseline = summarize(methods[0], runs[methods[0].name], None)
             if sample is None:  # every method agreeing proves nothing if the target itself babbles
                 sample = {"temperature": temp, "text": tokenizer.decode(runs[methods[0].name][0][0].tokens)}
             for m in methods:
-                if m.name not in parts:  # greedy timings: the same at every temperature
-                    parts[m.name] = attempt(m, cycle_parts, model, prompts[0])
                 if m.kind == "peer" and m.peer is None:
                     row = unavailable_row(m)
                     row["temperature"] = temp
@@ -259,7 +260,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                     continue
                 row = summarize(m, runs[m.name], baseline["generation_tps_median"])
                 row["temperature"] = temp
-                add_cycle_parts(row, parts[m.name])
+                add_cycle_parts(row, [p for p in parts[m.name] if p is not None])
                 if temp == 0:
                     row["lossless"] = row["token_sha256"] == baseline["token_sha256"]
                 else:
@@ -304,7 +305,7 @@ def render(report: dict, console=None) -> str:
             f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
     console.print(f"[bold]dflash2 bench[/] {head}")
     columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
-               "draft %", "ms/cycle", "lossless", "accepted by position"]
+               "draft %", "ms/cycle (rest)", "lossless", "accepted by position"]
     table = Table(*columns)
     table.columns[12].no_wrap = True
     md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -323,8 +324,7 @@ def render(report: dict, console=None) -> str:
                 f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
                 f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
                 f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
-                f"{r['cycle_ms']:.0f}={r['draft_ms']:.0f}+{r['verify_ms']:.0f}+{r['overhead_ms']:.0f}"
-                if r.get("overhead_ms") is not None else "-",
+                f"{r['cycle_ms']:.1f} ({r['overhead_ms']:.1f})" if r.get("overhead_ms") is not None else "-",
                 {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
                 _sparkline(r["acceptance_by_position"]),
             ]
@@ -332,9 +332,13 @@ def render(report: dict, console=None) -> str:
         style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
         table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
     console.print(table)
-    legend = "ms/cycle: a cycle's time = drafter pass + verify pass + the rest (the loop's own overhead)"
-    console.print(legend)
-    md.append(f"\n{legend}")
+    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + {r['verify_ms']:.1f} + "
+             f"{r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
+    if split:
+        lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
+                 "alone in steady state, right after each trial's runs):", *split]
+        console.print("\n  ".join(lines), markup=False, highlight=False)
+        md.append("\n" + "\n".join(f"- {x}" if i else x for i, x in enumerate(lines)))
     for note, methods in notes.items():
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
