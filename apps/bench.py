@@ -39,7 +39,7 @@ class Run:
     peak_memory_gb: float
     accepted: list[int] = field(default_factory=list)
     plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
-    seconds: float = 0.0  # generation time after the first token (the one prefill gives)
+    cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
 
 
 def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
@@ -56,8 +56,7 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
         r = method.peer.request(op="run", prompt=prompt, max_tokens=max_tokens, temp=temp,
                                 block_size=method.block_size, seed=seed)
         return Run([t for t in r["tokens"] if t not in eos], r["generation_tps"], r["prompt_tps"],
-                   len(prompt) / r["prompt_tps"], r["peak_memory_gb"], r["accepted"],
-                   seconds=len(r["tokens"]) / r["generation_tps"])
+                   len(prompt) / r["prompt_tps"], r["peak_memory_gb"], r["accepted"], cycle_s=r["cycle_s"])
     if method.kind in ("mlx-lm", "mlx-lm-spec"):
         spec = method.kind == "mlx-lm-spec"
         kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if spec else {}
@@ -67,17 +66,19 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             from_draft.append(last.from_draft)
         return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
                    len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
-    tokens, accepted, plain_tokens, last = [], [], 0, None
+    tokens, accepted, plain_tokens, cycle_s, last = [], [], 0, [], None
     mode = "off" if method.kind == "plain" else method.kind
+    tic = time.perf_counter()
     for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
                                 block_size=method.block_size, verify_mode=mode, walk=method.walk):
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
+            cycle_s.append(time.perf_counter() - tic)
         plain_tokens += len(last.tokens) if last.block_size == 1 else 0
+        tic = time.perf_counter()
     return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens,
-               last.generation_tokens / last.generation_tps)
+               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens, cycle_s)
 
 
 def accepted_per_cycle(from_draft: list[bool]) -> list[int]:
@@ -136,8 +137,8 @@ def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | Non
         "ttft_s_median": statistics.median(r.ttft_s for runs in trials for r in runs),
         "peak_memory_gb": max(r.peak_memory_gb for runs in trials for r in runs),
         "token_sha256": token_hash(trials[0]),
-        # every cycle of a fixed-block row drafts (adaptive rows mix in plain steps, classic ones are mlx-lm's)
-        "cycle_ms": 1000 * sum(r.seconds for runs in trials for r in runs) / cycles
+        # the median cycle: a cycle stalled by another process on a shared machine does not move it
+        "cycle_ms": 1000 * statistics.median(t for runs in trials for r in runs for t in r.cycle_s)
         if cycles and method.kind in ("dflash", "peer") else None,
         "note": method.note,
     }
@@ -168,7 +169,7 @@ def cost_curves(model, methods: list[Method]) -> list[dict]:
     return curves
 
 
-def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 5) -> tuple[float, float] | None:
+def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 10) -> tuple[float, float] | None:
     """(drafter pass, target verify pass) of one steady-state cycle in seconds (medians), each timed alone
     outside the loop (the loop itself never waits between its two passes): the prompt is in both caches,
     and the drafter takes one new context row, as a cycle that accepted nothing does. The rest of a

@@ -7,7 +7,8 @@ JSON object a line; everything the engine prints goes to stderr. Requests:
   {"op": "load", "target": FOLDER, "drafter": FOLDER or hub id, "dtype": None or a dtype to cast the target to}
       -> {"version": ...}
   {"op": "run", "prompt": [ids], "max_tokens": N, "temp": T, "block_size": B, "seed": S}
-      -> {"tokens", "accepted" (drafts per cycle), "generation_tps", "prompt_tps", "peak_memory_gb"}
+      -> {"tokens", "accepted" (drafts per cycle), "cycle_s" (each cycle's wall time), "generation_tps",
+          "prompt_tps", "peak_memory_gb"}
   {"op": "timings", "prompt": [ids], "block_size": B, "repeats": N}  -> {"draft_s", "verify_s"}
 
 A failure replies {"error": "..."}; the process stays up for the next request.
@@ -42,13 +43,16 @@ class AuthorsEngine:
         return {"version": version("dflash")}
 
     def run(self, prompt, max_tokens, temp, block_size) -> dict:
-        tokens, accepted, last = [], [], None
+        tokens, accepted, cycle_s, last = [], [], [], None
+        tic = time.perf_counter()
         for last in self.m.stream_generate(self.model, self.draft, self.tokenizer, prompt, block_size=block_size,
                                            max_tokens=max_tokens, temperature=temp):
             tokens += last.tokens
             if last.accepted is not None:  # its `accepted` counts the committed tokens, bonus included
                 accepted.append(last.accepted - 1)
-        return {"tokens": tokens, "accepted": accepted, "generation_tps": last.generation_tps,
+                cycle_s.append(time.perf_counter() - tic)
+            tic = time.perf_counter()
+        return {"tokens": tokens, "accepted": accepted, "cycle_s": cycle_s, "generation_tps": last.generation_tps,
                 "prompt_tps": last.prompt_tps, "peak_memory_gb": last.peak_memory}
 
     def timings(self, prompt, block_size, repeats) -> dict:
@@ -137,15 +141,20 @@ class OmlxEngine:
 
         if temp != 0:
             raise ValueError("dflash-mlx's offline runtime decodes greedily only")
-        tokens, summary = [], None
+        tokens, cycle_s, cycles, summary = [], [], 0, None
+        tic = time.perf_counter()
         for event in self._events(prompt, max_tokens, block_size):
             if isinstance(event, TokenEvent):
                 tokens.append(int(event.token_id))
+                if event.cycles_completed > cycles:  # a cycle's first token: the cycle ran since the last token
+                    cycles = event.cycles_completed
+                    cycle_s.append(time.perf_counter() - tic)
+                tic = time.perf_counter()
             elif isinstance(event, SummaryEvent):
                 summary = event
         prefill_s = summary.phase_timings_us.get("prefill", 0.0) / 1e6
         generation_s = summary.elapsed_us / 1e6 - prefill_s
-        return {"tokens": tokens, "accepted": list(summary.acceptance_history),
+        return {"tokens": tokens, "accepted": list(summary.acceptance_history), "cycle_s": cycle_s,
                 "generation_tps": summary.generation_tokens / generation_s if generation_s > 0 else 0.0,
                 "prompt_tps": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
                 "peak_memory_gb": summary.peak_memory_gb or 0.0}
