@@ -123,31 +123,31 @@ def published_drafter(drafter, model, source: str, out: Path) -> str:
     `out`; a factorised selector's codebooks are expanded to V x R tables (the target's embedding of every
     token times the projection: the very codes ours computes per token). Returns what the row should say."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    from dflash2_mlx.checkpoints.hf import hf_names, write_weights
+    from dflash2_mlx.checkpoints.hf import dequantized, hf_names, write_weights
     from dflash2_mlx.loading import resolve_path
     from dflash2_mlx.target import Target
 
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(drafter.parameters())}
+    weights = {k: v.astype(mx.float32) for k, v in dequantized(drafter).items()}
     config = json.loads((resolve_path(source) / "config.json").read_text())
     config.pop("mlx", None)
     config.pop("quantization", None)
     dflash = config.setdefault("dflash_config", {})
+    target = Target(model)
     notes = ["float32"]
     if dflash.pop("selector_factorized", False):
-        embed = Target(model).embed_tokens
-        table = embed(mx.arange(config["vocab_size"])).astype(mx.float32)  # [V, D]
+        table = target.embed_tokens(mx.arange(target.vocab_size)).astype(mx.float32)  # [V, D]
         for side in ("predecessor", "successor"):
             projection = weights.pop(f"candidate_selector.{side}_projection.weight")  # [R, D]
             weights[f"candidate_selector.{side}_codebook.weight"] = table @ projection.T
         mx.eval(weights)
         notes.append("selector codebooks expanded from the factorised form")
     if drafter.draft_vocab is not None:
-        notes.append(f"drafts over all {config['vocab_size']:,} tokens (no draft vocabulary; ours: "
+        notes.append(f"drafts over all {target.vocab_size:,} tokens (no draft vocabulary; ours: "
                      f"{len(drafter.draft_vocab):,})")
     # dflash-mlx's config loader requires these two; the drafter never has an LM head of its own
-    config.update(dtype="float32", tie_word_embeddings=False, block_size=dflash.get("block_size", 16))
+    config.update(dtype="float32", vocab_size=target.vocab_size, tie_word_embeddings=False,
+                  block_size=drafter.config.block_size)
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_weights(out, hf_names(weights, drafter.config))
