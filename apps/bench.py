@@ -333,8 +333,8 @@ def render(report: dict, console=None) -> str:
         style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
         table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
     console.print(table)
-    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + {r['verify_ms']:.1f} + "
-             f"{r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
+    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
+             f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
     if split:
         lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
                  "alone in steady state, right after each trial's runs):", *split]
@@ -394,7 +394,8 @@ def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
     """The block sizes of a drafter's fixed-block rows: those asked for that it can run, else its default."""
     from dflash2_mlx.generate import resolve_block_size
 
-    return [resolve_block_size(drafter, B) for B in block_sizes or [None] if B is None or B <= drafter.config.block_size]
+    sizes = block_sizes or [None]
+    return [resolve_block_size(drafter, B) for B in sizes if B is None or B <= drafter.config.block_size]
 
 
 def peer_methods(peers: list, drafters: list[tuple[str, object]], block_sizes: list[int] | None) -> list[Method]:

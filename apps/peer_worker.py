@@ -140,7 +140,7 @@ class OmlxEngine:
         from dflash_mlx.engine.events import SummaryEvent, TokenEvent
 
         if temp != 0:
-            raise ValueError("dflash-mlx's offline runtime decodes greedily only")
+            raise ValueError("dflash-mlx's stream_dflash_generate takes no sampling settings: it decodes greedily only")
         tokens, cycle_s, cycles, summary = [], [], 0, None
         tic = time.perf_counter()
         for event in self._events(prompt, max_tokens, block_size):

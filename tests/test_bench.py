@@ -152,17 +152,29 @@ def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
     python = tmp_path / "bare" / "bin" / "python"
     target, drafter = tiny_pair
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--engines", "dflash,dflash-mlx", "--peer-python", str(python), "--json", str(tmp_path / "b.json")]) == 0
+                 "--engines", "dflash,dflash-mlx", "--peer-python", str(python),
+                 "--json", str(tmp_path / "b.json")]) == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["errors"] == [] and report["context"]["engines"] == ["dflash", "dflash-mlx"]
     rows = {r["method"]: r for r in report["results"]}
     assert rows["drafter B=4"]["lossless"] is True  # ours ran
-    for engine, module, pip in (("dflash", "dflash", "dflash==0.1.0"), ("dflash-mlx", "dflash_mlx", "dflash-mlx==0.1.8")):
+    for engine, module, pip in (("dflash", "dflash", "dflash==0.1.0"),
+                                ("dflash-mlx", "dflash_mlx", "dflash-mlx==0.1.8")):
         row = rows[f"{engine} drafter B=4"]
         assert row["kind"] == "peer" and row["generation_tps_median"] is None and row["lossless"] is None
-        assert row["note"] == (f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip install "
-                               f"{pip}`, or pass --peer-python with an environment that has it")
+        assert row["note"] == (f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip "
+                               f"install {pip}`, or pass --peer-python with an environment that has it")
     assert "cannot run (see note)" in capsys.readouterr().out
+
+
+def test_a_peer_worker_that_dies_is_a_reason(tmp_path):
+    """An interpreter that exits at once (here /bin/false): the request fails with what the worker said."""
+    from dflash2_apps.peers import PeerError, PeerWorker
+
+    worker = PeerWorker("dflash", "/bin/false", {}, tmp_path / "w.log")
+    with pytest.raises(PeerError, match=r"^dflash worker \(/bin/false\) exited: no output$"):
+        worker.request(op="load", target="t", drafter="d", dtype=None)
+    worker.close()
 
 
 def test_bad_engine_options(tiny_pair, tmp_path, capsys):
