@@ -32,6 +32,7 @@ ENGINES = {  # name -> what to install, for the message when it is missing
     "dflash": "dflash==0.1.0",
     "dflash-mlx": "dflash-mlx==0.1.8",
 }
+MLX = "mlx-lm (and mlx[cpu] on Linux)"  # the authors' package does not pull MLX in on Linux
 HUB_OWNER = "dflash2-bench"
 _COMMIT = "0" * 40
 
@@ -52,7 +53,7 @@ def check_python(python: str) -> str:
     path = Path(python).expanduser()
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise ValueError(f"--peer-python {python}: no such interpreter; pass the python of an environment that "
-                         f"has the peers (e.g. a venv with `pip install {' '.join(ENGINES.values())}`)")
+                         f"has the peers (e.g. a venv with `pip install {' '.join(ENGINES.values())}` and {MLX})")
     return str(path)
 
 
@@ -81,8 +82,8 @@ class PeerWorker:
         if "missing" in reply:
             raise PeerError(
                 f"{self.engine} is not installed in {self.python} (no module {reply['missing']!r}): "
-                f"`{self.python} -m pip install {ENGINES[self.engine]}`, or pass --peer-python with an environment "
-                "that has it"
+                f"`{self.python} -m pip install {ENGINES[self.engine]}` with {MLX}, or pass --peer-python with an "
+                "environment that has it"
             )
         if "error" in reply:
             reason = " ".join(reply["error"].split())  # one line, however the engine formats it

@@ -163,7 +163,8 @@ def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
         row = rows[f"{engine} drafter B=4"]
         assert row["kind"] == "peer" and row["generation_tps_median"] is None and row["lossless"] is None
         assert row["note"] == (f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip "
-                               f"install {pip}`, or pass --peer-python with an environment that has it")
+                               f"install {pip}` with mlx-lm (and mlx[cpu] on Linux), or pass --peer-python with an "
+                               "environment that has it")
     assert "cannot run (see note)" in capsys.readouterr().out
 
 
