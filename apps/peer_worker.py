@@ -29,8 +29,6 @@ class AuthorsEngine:
     target. Its `load_draft` takes hub ids only: the parent hands it one that resolves, offline, to a
     constructed hub cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1). It wraps the target's layers for good."""
 
-    package = "dflash"
-
     def load(self, target: str, drafter: str, dtype: str | None) -> dict:
         from importlib.metadata import version
 
@@ -48,7 +46,8 @@ class AuthorsEngine:
         for last in self.m.stream_generate(self.model, self.draft, self.tokenizer, prompt, block_size=block_size,
                                            max_tokens=max_tokens, temperature=temp):
             tokens += last.tokens
-            if last.accepted is not None:  # its `accepted` counts the committed tokens, bonus included
+            if last.accepted is not None:  # its `accepted` counts the tokens committed (bonus included; a last
+                # cycle cut by max_tokens counts fewer, where ours counts its accepted drafts: tau differs there)
                 accepted.append(last.accepted - 1)
                 cycle_s.append(time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -93,8 +92,6 @@ class OmlxEngine:
     """oMLX's engine (`dflash-mlx` on PyPI, `dflash_mlx.runtime`): local folders accepted; its target ops
     exist for Qwen GatedDeltaNet and Gemma 4 targets only. Target and drafter are loaded separately so that
     a pair it cannot run is refused with both reasons."""
-
-    package = "dflash-mlx"
 
     def load(self, target: str, drafter: str, dtype: str | None) -> dict:
         from importlib.metadata import version
