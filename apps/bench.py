@@ -1,8 +1,9 @@
 """`dflash2 bench`: every decoding method side by side in ONE process, trial by trial, with a lossless check.
 
 Methods: mlx-lm's own generation (the baseline users know), plain decoding through our loop, mlx-lm's
-classic speculative decoding (with --baseline-draft-model), and each DFlash drafter at each block size
-(DFlash 2 with both walks). Trials interleave the methods so drift on a shared machine hits them alike.
+classic speculative decoding (with --baseline-draft-model), each DFlash drafter at each block size
+(DFlash 2 with both walks), and peer engines with the same drafters (`peers.py`, each in its own process).
+Trials interleave the methods so drift on a shared machine hits them alike.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
 """
 
@@ -20,12 +21,14 @@ import mlx.core as mx
 @dataclass
 class Method:
     name: str
-    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree"
+    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree" | "peer"
     drafter: object = None
     block_size: int | None = None
     walk: str = "greedy"
     drafter_label: str | None = None
     tree_budget: int | None = None  # ddtree only
+    peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
+    note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Run:
     peak_memory_gb: float
     accepted: list[int] = field(default_factory=list)
     plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
+    cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
 
 
 def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
@@ -48,6 +52,12 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
     from dflash2_mlx import stream_generate
 
     eos = set(tokenizer.eos_token_ids)
+    if method.kind == "peer":
+        seed = int(mx.random.randint(0, 1 << 30, ()).item())  # follows the trial's seed, as ours do
+        r = method.peer.request(op="run", prompt=prompt, max_tokens=max_tokens, temp=temp,
+                                block_size=method.block_size, seed=seed)
+        return Run([t for t in r["tokens"] if t not in eos], r["generation_tps"], r["prompt_tps"],
+                   len(prompt) / r["prompt_tps"], r["peak_memory_gb"], r["accepted"], cycle_s=r["cycle_s"])
     if method.kind in ("mlx-lm", "mlx-lm-spec"):
         spec = method.kind == "mlx-lm-spec"
         kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if spec else {}
@@ -57,17 +67,20 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             from_draft.append(last.from_draft)
         return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
                    len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
-    tokens, accepted, plain_tokens, last = [], [], 0, None
+    tokens, accepted, plain_tokens, cycle_s, last = [], [], 0, [], None
     mode = "off" if method.kind == "plain" else method.kind
     tree = {"tree_budget": method.tree_budget} if mode == "ddtree" else {}
+    tic = time.perf_counter()
     for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
                                 block_size=method.block_size, verify_mode=mode, walk=method.walk, **tree):
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)
+            cycle_s.append(time.perf_counter() - tic)
         plain_tokens += len(last.tokens) if last.block_size == 1 else 0
+        tic = time.perf_counter()
     return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens)
+               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens, cycle_s)
 
 
 def accepted_per_cycle(from_draft: list[bool]) -> list[int]:
@@ -112,7 +125,7 @@ def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | Non
         "kind": method.kind,
         "drafter": method.drafter_label,
         "block_size": method.block_size,
-        "walk": method.walk if method.kind in ("dflash", "adaptive") else None,
+        "walk": method.walk if method.kind in ("dflash", "adaptive", "peer") else None,
         "generation_tps_median": median,
         "generation_tps_min": min(per_trial_tps),
         "generation_tps_max": max(per_trial_tps),
@@ -126,7 +139,20 @@ def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | Non
         "ttft_s_median": statistics.median(r.ttft_s for runs in trials for r in runs),
         "peak_memory_gb": max(r.peak_memory_gb for runs in trials for r in runs),
         "token_sha256": token_hash(trials[0]),
+        # the median cycle: a cycle stalled by another process on a shared machine does not move it
+        "cycle_ms": 1000 * statistics.median(t for runs in trials for r in runs for t in r.cycle_s)
+        if cycles and method.kind in ("dflash", "peer") else None,
+        "note": method.note,
     }
+
+
+def unavailable_row(method: Method) -> dict:
+    """The row of a peer that cannot run: its reason, no numbers."""
+    keys = ("generation_tps_median", "generation_tps_min", "generation_tps_max", "speedup", "tau", "plain_share",
+            "prompt_tps_median", "ttft_s_median", "peak_memory_gb", "token_sha256", "cycle_ms", "lossless")
+    return {"method": method.name, "kind": method.kind, "drafter": method.drafter_label,
+            "block_size": method.block_size, "walk": method.walk, "cycles": 0, "acceptance_by_position": [],
+            "note": method.note, **dict.fromkeys(keys)}
 
 
 def cost_curves(model, methods: list[Method]) -> list[dict]:
@@ -145,9 +171,14 @@ def cost_curves(model, methods: list[Method]) -> list[dict]:
     return curves
 
 
-def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repeats: int = 5) -> float | None:
-    """Share of a cycle's time spent drafting, timed component by component outside the loop (the loop
-    itself never waits between its two passes)."""
+def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 10) -> tuple[float, float] | None:
+    """(drafter pass, target verify pass) of one steady-state cycle in seconds (medians), each timed alone
+    outside the loop (the loop itself never waits between its two passes): the prompt is in both caches,
+    and the drafter takes one new context row, as a cycle that accepted nothing does. The rest of a
+    cycle's time is the loop's own overhead. Peers time theirs the same way (`peer_worker.py`)."""
+    if method.kind == "peer":
+        t = method.peer.request(op="timings", prompt=prompt, block_size=method.block_size, repeats=repeats)
+        return t["draft_s"], t["verify_s"]
     if method.kind != "dflash":
         return None
     from dflash2_mlx.loading import bind_drafter
@@ -158,51 +189,81 @@ def draft_verify_share(method: Method, model, tokenizer, prompt: list[int], repe
     cache, draft_cache = target.make_cache(), drafter.make_cache()
     with target.capture() as tap:
         logits, context = tap.prefill(mx.array(prompt), cache)
-        mx.eval(logits, context)
         block = mx.array([[int(prompt[-1])] + [drafter.config.mask_token_id] * (B - 1)])
+        mx.eval(drafter.propose(block, context[None], draft_cache, SamplingParams(), method.walk).tokens)
         draft_s, verify_s = [], []
         for _ in range(repeats):
-            draft_cache = drafter.make_cache()
             t0 = time.perf_counter()
-            proposal = drafter.propose(block, context[None], draft_cache, SamplingParams(), method.walk)
+            proposal = drafter.propose(block, context[None, -1:], draft_cache, SamplingParams(), method.walk)
             mx.eval(proposal.tokens)
             t1 = time.perf_counter()
             verified = tap.verify(mx.concatenate([block[0, :1], proposal.tokens.astype(block.dtype)]), cache)
-            mx.eval(verified.logits)
+            mx.eval(verified.logits, verified.features)
             t2 = time.perf_counter()
             tap.rollback(cache, verified, 0)
+            for c in draft_cache:
+                c.trim(1)
             draft_s.append(t1 - t0)
             verify_s.append(t2 - t1)
-    d, v = statistics.median(draft_s), statistics.median(verify_s)
-    return d / (d + v)
+    return statistics.median(draft_s), statistics.median(verify_s)
+
+
+def add_cycle_parts(row: dict, parts: list[tuple[float, float]]) -> None:
+    """draft_share (the drafter's part of draft + verify) and, with the row's measured cycle time, the
+    per-cycle overhead: cycle time minus the drafter and verify passes (`parts`: those of each trial)."""
+    draft_s, verify_s = (statistics.median(p[i] for p in parts) for i in (0, 1)) if parts else (None, None)
+    row["draft_share"] = draft_s / (draft_s + verify_s) if parts else None
+    row["draft_ms"] = 1000 * draft_s if parts else None
+    row["verify_ms"] = 1000 * verify_s if parts else None
+    row["overhead_ms"] = row["cycle_ms"] - row["draft_ms"] - row["verify_ms"] if parts and row["cycle_ms"] else None
 
 
 def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max_tokens: int, trials: int,
           temps: list[float], classic_draft=None, progress: bool = True) -> dict:
     from rich.progress import Progress
 
+    from .peers import PeerError
+
+    def attempt(m: Method, run, *args):
+        """run(m, *args), except that a peer failing makes its method a row that says why."""
+        if m.kind == "peer" and m.peer is None:
+            return None
+        try:
+            return run(m, *args)
+        except PeerError as e:
+            m.peer, m.note = None, str(e)
+            return None
+
     results, sample = [], None
+    parts = {m.name: [] for m in methods}  # (drafter pass, verify pass) per trial of the first temperature
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
         task = bar.add_task("bench", total=total)
         for temp in temps:
             runs = {m.name: [] for m in methods}
             for m in methods:  # warm-up (compilation, allocator), not counted: a short run of the first prompt
-                run_method(m, model, tokenizer, prompts[0], min(max_tokens, 16), temp, classic_draft)
+                attempt(m, run_method, model, tokenizer, prompts[0], min(max_tokens, 16), temp, classic_draft)
                 bar.advance(task)
             for trial in range(1, trials + 1):
                 for m in methods:
                     mx.random.seed(trial)
                     runs[m.name].append(
-                        [run_method(m, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
+                        [attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
+                    if temp == temps[0]:  # greedy timings, right after the runs they split: drift hits both alike
+                        parts[m.name].append(attempt(m, cycle_parts, model, prompts[0]))
                     bar.advance(task, len(prompts))
             baseline = summarize(methods[0], runs[methods[0].name], None)
             if sample is None:  # every method agreeing proves nothing if the target itself babbles
                 sample = {"temperature": temp, "text": tokenizer.decode(runs[methods[0].name][0][0].tokens)}
             for m in methods:
+                if m.kind == "peer" and m.peer is None:
+                    row = unavailable_row(m)
+                    row["temperature"] = temp
+                    results.append(row)
+                    continue
                 row = summarize(m, runs[m.name], baseline["generation_tps_median"])
                 row["temperature"] = temp
-                row["draft_share"] = draft_verify_share(m, model, tokenizer, prompts[0])
+                add_cycle_parts(row, [p for p in parts[m.name] if p is not None])
                 if temp == 0:
                     row["lossless"] = row["token_sha256"] == baseline["token_sha256"]
                 else:
@@ -247,25 +308,44 @@ def render(report: dict, console=None) -> str:
             f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
     console.print(f"[bold]dflash2 bench[/] {head}")
     columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
-               "draft %", "lossless", "accepted by position"]
+               "draft %", "ms/cycle (rest)", "lossless", "accepted by position"]
     table = Table(*columns)
+    table.columns[12].no_wrap = True
     md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    notes = {}  # note -> the methods it is about
     for r in report["results"]:
-        row = [
-            r["method"], f"{r['temperature']:g}", f"{r['generation_tps_median']:.1f}",
-            f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
-            f"{r['speedup']:.2f}x" if r["speedup"] else "-",
-            f"{r['tau']:.2f}" if r["tau"] else "-",
-            f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
-            f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
-            f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
-            {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
-            _sparkline(r["acceptance_by_position"]),
-        ]
+        if r.get("note"):
+            notes.setdefault(r["note"], []).append(r["method"])
+        if r["generation_tps_median"] is None:  # a peer that cannot run: the note says why
+            row = [r["method"], f"{r['temperature']:g}"] + ["-"] * 10 + ["cannot run (see note)", ""]
+        else:
+            row = [
+                r["method"], f"{r['temperature']:g}", f"{r['generation_tps_median']:.1f}",
+                f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
+                f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                f"{r['tau']:.2f}" if r["tau"] else "-",
+                f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
+                f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
+                f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
+                f"{r['cycle_ms']:.1f} ({r['overhead_ms']:.1f})" if r.get("overhead_ms") is not None else "-",
+                {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
+                _sparkline(r["acceptance_by_position"]),
+            ]
         md.append("| " + " | ".join(row) + " |")
-        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[11])
-        table.add_row(*row[:11], f"[{style}]{row[11]}[/]" if style else row[11], row[12])
+        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
+        table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
     console.print(table)
+    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
+             f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
+    if split:
+        lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
+                 "alone in steady state, right after each trial's runs):", *split]
+        console.print("\n  ".join(lines), markup=False, highlight=False)
+        md.append("\n" + "\n".join(f"- {x}" if i else x for i, x in enumerate(lines)))
+    for note, methods in notes.items():
+        line = f"{', '.join(dict.fromkeys(methods))}: {note}"
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     top = max((r["speedup"] or 0) for r in report["results"]) or 1
     console.print("[bold]speedup over mlx-lm[/] (same run)")
     width = max(len(r["method"]) for r in report["results"])
@@ -302,21 +382,35 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
         methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
-        sizes = block_sizes or [None]
-        for B in sizes:
-            if B is not None and B > drafter.config.block_size:
-                continue
-            from dflash2_mlx.generate import resolve_block_size
-
-            B = resolve_block_size(drafter, B)
+        for B in fixed_block_sizes(drafter, block_sizes):
             for walk in walks if drafter.config.is_dflash2 else ("greedy",):
                 name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
                 methods.append(Method(name, "dflash", drafter, B, walk, label))
             for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
-                methods.append(Method(f"{label} B={B} ddtree {budget}", "ddtree", drafter, B, "greedy", label, budget))
+                methods.append(Method(f"{label} B={B} ddtree {budget}", "ddtree", drafter, B, "greedy", label,
+                                      tree_budget=budget))
     if classic:
         for B in block_sizes or [4]:
             methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B))
+    return methods
+
+
+def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
+    """The block sizes of a drafter's fixed-block rows: those asked for that it can run, else its default."""
+    from dflash2_mlx.generate import resolve_block_size
+
+    sizes = block_sizes or [None]
+    return [resolve_block_size(drafter, B) for B in sizes if B is None or B <= drafter.config.block_size]
+
+
+def peer_methods(peers: list, drafters: list[tuple[str, object]], block_sizes: list[int] | None) -> list[Method]:
+    """A row per peer engine, drafter and block size of our fixed-block rows (the reference's greedy walk)."""
+    methods = []
+    for peer in peers:
+        drafter = dict(drafters)[peer.drafter_label]
+        for B in fixed_block_sizes(drafter, block_sizes):
+            methods.append(Method(f"{peer.engine} {peer.drafter_label} B={B}", "peer", drafter, B, "greedy",
+                                  peer.drafter_label, peer=peer.worker, note=peer.note))
     return methods
 
 

@@ -363,18 +363,29 @@ def _bench_parser(sub) -> None:
                    help="comma-separated tree budgets: a ddtree row per budget (at each block size), or the columns "
                    "of --tree-sim (default there: 1,2,4,8,16,32)")
     p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
+    p.add_argument("--engines", metavar="LIST",
+                   help="peer engines to add rows for, each in its own process with the same target, drafters and "
+                   "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated")
+    p.add_argument("--peer-python", metavar="PYTHON",
+                   help="the interpreter the peer engines are installed in (default: this one), e.g. a venv's "
+                   "bin/python, so their pinned dependencies stay out of this environment")
     p.set_defaults(run=_run_bench)
 
 
 def _run_bench(args) -> int:
     from mlx.utils import tree_flatten
 
-    from dflash2_apps.bench import bench, methods_for, render, report_console, report_json
+    from dflash2_apps.bench import bench, methods_for, peer_methods, render, report_console, report_json
+    from dflash2_apps.peers import Peers, check_python, parse_engines
 
     if args.compare:  # fail on a bad comparison file before spending time on the runs
         from dflash2_apps.compare import load_comparison
 
         load_comparison(args.compare)
+    engines = parse_engines(args.engines)
+    if args.peer_python and not engines:
+        raise ValueError("--peer-python goes with --engines (the peer engines it runs)")
+    peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
     from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
     from dflash2_mlx.kernels import set_kernels
     from dflash2_mlx.prompts import SUITES, load_suite
@@ -388,7 +399,7 @@ def _run_bench(args) -> int:
         from dflash2_mlx.assets import default_drafter
 
         args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
-    drafters = []
+    drafters, sources = [], []
     for path in args.draft_model:
         drafter = load_drafter(path)
         bind_drafter(drafter, model)
@@ -396,6 +407,7 @@ def _run_bench(args) -> int:
         if label in {name for name, _ in drafters}:
             label = f"{label}#{len(drafters) + 1}"
         drafters.append((label, drafter))
+        sources.append(path)
     classic = load_target(args.baseline_draft_model, args.dtype)[0] if args.baseline_draft_model else None
     texts = []
     for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
@@ -409,14 +421,22 @@ def _run_bench(args) -> int:
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     budgets = tuple(int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
-    report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
+    peers = Peers()
+    try:
+        if engines:
+            started = peers.start(engines, peer_python, args.model, args.dtype, model,
+                                  [(label, d, src) for (label, d), src in zip(drafters, sources)])
+            methods += peer_methods(started, drafters, sizes)
+        report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
+    finally:
+        peers.close()
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
         "target": args.model or "SmolLM2-135M-Instruct (default)",
         "drafters": [label for label, _ in drafters],
         "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
         "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
-        "runtime": runtime_info(),
+        "runtime": runtime_info(), "engines": engines, "peer_python": peer_python if engines else None,
     }
     console = report_console()
     markdown = render(report, console)

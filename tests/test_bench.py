@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import mlx.core as mx
@@ -140,3 +141,89 @@ def test_bench_shows_the_comparison(tiny_pair, tmp_path, capsys):
                  "--compare", "published", "--markdown", str(tmp_path / "b.md")]) == 0
     out = capsys.readouterr().out
     assert "compared with CUDA runs" in out and "DFlash (paper) (H200)" in (tmp_path / "b.md").read_text()
+
+
+def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
+    """--engines with an interpreter that lacks the peers (a bare venv): the bench still runs ours, and each
+    peer gets a row per block size naming what is missing and how to install it."""
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = tmp_path / "bare" / "bin" / "python"
+    target, drafter = tiny_pair
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
+                 "--engines", "dflash,dflash-mlx", "--peer-python", str(python),
+                 "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["errors"] == [] and report["context"]["engines"] == ["dflash", "dflash-mlx"]
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["drafter B=4"]["lossless"] is True  # ours ran
+    for engine, module, pip in (("dflash", "dflash", "dflash==0.1.0"),
+                                ("dflash-mlx", "dflash_mlx", "dflash-mlx==0.1.8")):
+        row = rows[f"{engine} drafter B=4"]
+        assert row["kind"] == "peer" and row["generation_tps_median"] is None and row["lossless"] is None
+        assert row["note"] == (f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip "
+                               f"install {pip}` with mlx-lm (and mlx[cpu] on Linux), or pass --peer-python with an "
+                               "environment that has it")
+    assert "cannot run (see note)" in capsys.readouterr().out
+
+
+def test_a_peer_worker_that_dies_is_a_reason(tmp_path):
+    """An interpreter that exits at once (here /bin/false): the request fails with what the worker said."""
+    from dflash2_apps.peers import PeerError, PeerWorker
+
+    worker = PeerWorker("dflash", "/bin/false", {}, tmp_path / "w.log")
+    with pytest.raises(PeerError, match=r"^dflash worker \(/bin/false\) exited: no output$"):
+        worker.request(op="load", target="t", drafter="d", dtype=None)
+    worker.close()
+
+
+def test_bad_engine_options(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair
+    common = ["bench", "--model", str(target), "--draft-model", str(drafter), "--quick"]
+    assert main([*common, "--engines", "dflash,vllm"]) == 2
+    assert "unknown engine(s) ['vllm'] for --engines; choose among dflash, dflash-mlx" in capsys.readouterr().err
+    assert main([*common, "--engines", "dflash", "--peer-python", str(tmp_path / "nope")]) == 2
+    assert f"--peer-python {tmp_path / 'nope'}: no such interpreter" in capsys.readouterr().err
+    assert main([*common, "--peer-python", sys.executable]) == 2
+    assert "--peer-python goes with --engines" in capsys.readouterr().err
+
+
+def test_published_copy_for_the_peers(tiny_pair, tmp_path):
+    """The copy the peers load: a factorised selector's codebooks expanded to V x R tables that give the very
+    codes the factorised drafter computes per token (so the same drafts), read back by our own loader; and a
+    hub id that a constructed cache resolves offline, as the authors' hub-only `load_draft` needs."""
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import load_model
+
+    from conftest import make_dflash2_drafter, save_drafter
+    from dflash2_apps.peers import hub_cache_entry, published_drafter
+    from dflash2_mlx.loading import bind_drafter, load_drafter
+    from dflash2_mlx.sampling import SamplingParams
+
+    model, _ = load_model(tiny_pair[0])
+    source = save_drafter(tmp_path / "factorised", make_dflash2_drafter(model, block_size=8, selector_factorized=True))
+    ours = load_drafter(str(source))
+    assert ours.candidate_selector.factorized
+    bind_drafter(ours, model)
+    hub_id, snapshot = hub_cache_entry(tmp_path / "hub", "drafter-0")
+    note = published_drafter(ours, model, str(source), snapshot)
+    assert note == "float32, selector codebooks expanded from the factorised form"
+    assert snapshot_download(hub_id, cache_dir=tmp_path / "hub", local_files_only=True) == str(snapshot)
+    config = json.loads((snapshot / "config.json").read_text())
+    assert config["block_size"] == 8 and config["tie_word_embeddings"] is False  # dflash-mlx's loader needs both
+    theirs = load_drafter(str(snapshot))
+    assert not theirs.candidate_selector.factorized
+    bind_drafter(theirs, model)
+    ids = mx.arange(256)
+    embed = ours._target.embed
+    for side in ("predecessor", "successor"):
+        table = getattr(theirs.candidate_selector, f"{side}_codebook").weight
+        codes = getattr(ours.candidate_selector, f"{side}_codes")(ids, embed)
+        assert table.shape == (256, 16) and table.dtype == mx.float32
+        assert mx.allclose(table, codes, rtol=1e-5, atol=1e-6).item()
+    mx.random.seed(0)
+    context = mx.random.normal((1, 12, 2 * 64))
+    block = mx.array([[7] + [5] * 7])
+    drafts = [d.propose(block, context, d.make_cache(), SamplingParams()).tokens.tolist() for d in (ours, theirs)]
+    assert drafts[0] == drafts[1]
