@@ -18,6 +18,7 @@ from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .target import Target
 
@@ -126,6 +127,7 @@ def stream_generate(
     max_context: int | None = None,
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
     same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
@@ -141,6 +143,8 @@ def stream_generate(
     deep (default: the drafter's trained size), built best-first from the drafter's lattice (`tree.py`).
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
     the records then say verify_mode "off".
+    prompt_cache: a `PromptCache` passed to consecutive generations (a multi-turn chat): each reuses the
+    caches for the prefix its prompt shares with the previous one's tokens (`prompt_cache.reused` says how many).
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
@@ -179,9 +183,9 @@ def stream_generate(
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
-        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk)
+        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache)
     else:
-        steps = plain_steps(target, prompt, params, prefill_step_size)
+        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
