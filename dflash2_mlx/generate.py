@@ -72,9 +72,14 @@ class GenerationResult:
 
 def _encode(tokenizer, prompt: str | Sequence[int] | mx.array) -> mx.array:
     if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        prompt = encode_text(tokenizer, prompt)
     return mx.array(prompt, dtype=mx.uint32).reshape(-1)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The token ids `stream_generate` feeds for a text prompt (special tokens added unless it starts with BOS)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
 DFLASH2_DEFAULT_BLOCK_CAP = 5
@@ -239,28 +244,40 @@ def generate(
     **kwargs,
 ) -> GenerationResult:
     """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
-    text, tokens, accepted, failures, last = "", [], [], 0, None
-    block_sizes, plain_tokens = Counter(), 0
+    records = []
     for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
-        text += last.text
-        tokens += last.tokens
-        if last.accepted is not None:
-            accepted.append(last.accepted)
-            block_sizes[last.block_size] += 1
-        if last.block_size == 1:
-            plain_tokens += len(last.tokens)
-        if last.draft_failed and not failures:
+        if last.draft_failed and not any(r.draft_failed for r in records):
             warnings.warn(
                 "the drafter produced non-finite logits (NaN/inf); such cycles fall back to plain decoding. "
                 "Run the drafter in bfloat16 or float32.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        failures += last.draft_failed
+        records.append(last)
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
+    return summarize(records, drafter, kwargs.get("block_size"), kwargs.get("tree_budget"))
+
+
+def summarize(
+    records: Sequence[GenerationResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
+    tree_budget: int | None = None,
+) -> GenerationResult:
+    """The `GenerationResult` of a generation's records (all of them, or those read before it was stopped);
+    `drafter`, `block_size` and `tree_budget` as given to `stream_generate`."""
+    text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
+    block_sizes, plain_tokens = Counter(), 0
+    for r in records:
+        text += r.text
+        tokens += r.tokens
+        if r.accepted is not None:
+            accepted.append(r.accepted)
+            block_sizes[r.block_size] += 1
+        if r.block_size == 1:
+            plain_tokens += len(r.tokens)
+        failures += r.draft_failed
     speculative = last.verify_mode != "off"
     return GenerationResult(
         text=text,
@@ -273,8 +290,8 @@ def generate(
         peak_memory_gb=last.peak_memory,
         finish_reason=last.finish_reason,
         verify_mode=last.verify_mode,
-        block_size=resolve_block_size(drafter, kwargs.get("block_size"), last.verify_mode) if speculative else None,
-        tree_budget=(kwargs.get("tree_budget") or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
+        block_size=resolve_block_size(drafter, block_size, last.verify_mode) if speculative else None,
+        tree_budget=(tree_budget or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
         draft_failures=failures,
         block_sizes=dict(sorted(block_sizes.items())),
         plain_tokens=plain_tokens,
