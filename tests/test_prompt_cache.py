@@ -134,3 +134,25 @@ def test_a_failed_generation_drops_the_cache(tokenizer):
     assert cache.tokens == [] and cache.target_cache is None
     generate(model, tokenizer, list(range(20, 40)), drafter, prompt_cache=cache, verify_mode="dflash", max_tokens=8)
     assert cache.reused == 0
+
+
+def test_second_chat_turn_on_the_default_pair(smollm2):
+    """SmolLM2 and its bundled DFlash 2 drafter: a second turn from the cache equals a fresh one, drafts and all."""
+    from dflash2_mlx import load_drafter
+    from dflash2_mlx.assets import default_drafter
+    from dflash2_mlx.loading import bind_drafter
+
+    model, tokenizer = smollm2
+    drafter = load_drafter(str(default_drafter("dflash2")))
+    bind_drafter(drafter, model)
+    proposals, cache = recording(drafter), PromptCache()
+    turn1 = [{"role": "user", "content": "Name three colours."}]
+    ids1 = tokenizer.apply_chat_template(turn1, add_generation_prompt=True)
+    first = generate(model, tokenizer, ids1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=8,
+                     max_tokens=24)
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And three more?"}]
+    ids2 = tokenizer.apply_chat_template(turn2, add_generation_prompt=True)
+    reused = run(model, tokenizer, ids2, drafter, proposals, cache, block_size=8, max_tokens=24, eos_token_ids=None)
+    assert cache.reused >= len(ids1) + len(first.tokens) - 2  # the reply as retokenized may differ at its end
+    fresh = run(model, tokenizer, ids2, drafter, proposals, block_size=8, max_tokens=24, eos_token_ids=None)
+    assert reused == fresh and sum(fresh[1]) > 0  # the drafter accepted something: its context mattered
