@@ -217,6 +217,9 @@ class App:
         target = Target(model)
         self.vocab_size = target.vocab_size
         self.context_length = context_length or getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        if self.context_length is None:
+            log.warning("the model does not say its context length: prompts are not checked against one "
+                        "(set --context-length)")
         self.worker = Worker(model, tokenizer, drafter, queue_size, prompt_cache)
         self.created = int(time.time())
 
@@ -230,6 +233,10 @@ class App:
         stream = _field(body, "stream", bool, False, expect="true or false")
         options = _field(body, "stream_options", dict, {}, expect="an object")
         include_usage = _field(options, "include_usage", bool, False, expect="true or false")
+        if _field(body, "n", int, 1, expect="an integer") != 1:
+            raise ApiError(400, "'n' must be 1: this server generates one choice per request", param="n")
+        if _field(body, "logprobs", (bool, int), False, expect="true or false"):
+            raise ApiError(400, "'logprobs' is not supported by this server: leave it unset", param="logprobs")
         kwargs = dict(self.defaults)
         limit = None
         for name in ("max_tokens", "max_completion_tokens"):
@@ -416,6 +423,8 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(504, f"the request ran past its timeout ({self.app.request_timeout:g} s) and "
                                    f"was stopped after {sum(len(r.tokens) for r in records)} tokens",
                                    kind="server_error", code="timeout")
+                if event[1] == "cancelled" and finish is None:  # neither a stop string nor this client: shutdown
+                    raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
                 return finish, records, event[2]
             record: GenerationResponse = event[1]
             if finish == "stop" and job.cancelled.is_set():

@@ -195,6 +195,8 @@ GOOD = user("w1 w2")
     ({"messages": user(" ".join(["w9"] * CONTEXT))}, 400, "messages", f"this model's context is {CONTEXT} tokens"),
     ({"messages": GOOD, "max_tokens": CONTEXT}, 400, "max_tokens", "lower max_tokens to"),
     ({"prompt": ""}, 400, "prompt", "'prompt' must be a non-empty string"),
+    ({"messages": GOOD, "n": 2}, 400, "n", "'n' must be 1"),
+    ({"messages": GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' is not supported"),
     ({"messages": GOOD, "model": "gpt-4o"}, 404, "model", "the model 'gpt-4o' does not exist here"),
 ])
 def test_bad_input_gets_an_openai_error(served, raw, status, param, fragment):
