@@ -219,8 +219,8 @@ def _run_serve(args) -> int:
     try:
         server.serve_forever()
     finally:
-        server.server_close()
         app.close()
+        server.server_close()
     return 0
 
 

@@ -38,7 +38,8 @@ def chat_turn(host: str, port: int, messages: list[dict], max_tokens: int, timeo
     try:
         body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0,
                 "stream_options": {"include_usage": True}}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {r.read().decode(errors='replace')[:200]}"}

@@ -18,14 +18,16 @@ import json
 import logging
 import math
 import queue
-import select
 import socket
+import struct
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import mlx.core as mx
 
 from dflash2_mlx import PromptCache, stream_generate
 from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
@@ -37,6 +39,7 @@ log = logging.getLogger("dflash2.serve")
 MAX_BODY_BYTES = 16 << 20
 GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
+SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
 
 
 class ApiError(Exception):
@@ -77,10 +80,14 @@ class Worker:
         self.cache = PromptCache() if prompt_cache else None
         self.running: Job | None = None
         self.durations: deque = deque(maxlen=16)  # seconds of recent jobs, for Retry-After
+        self.idle, self.closed = threading.Event(), False
+        self.idle.set()
         self.thread = threading.Thread(target=self._loop, name="dflash2-worker", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> bool:
+        if self.closed:
+            return False
         try:
             self.jobs.put_nowait(job)
             return True
@@ -92,23 +99,27 @@ class Worker:
         mean = sum(self.durations) / len(self.durations) if self.durations else 1.0
         return max(1, math.ceil(mean))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel everything queued and running, and end the thread."""
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Cancel everything queued and running; True once no generation runs. The thread itself is left
+        parked, not ended: a thread that ran MLX work and exits while the process lives on can make the process
+        abort at exit ("terminate called without an active exception", MLX 0.32 on Linux), so it stays a daemon
+        blocked on the queue until the process ends."""
+        self.closed = True
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.cancelled.set()
-                job.events.put(("end", "cancelled", 0))
+            job.cancelled.set()
+            job.events.put(("end", "cancelled", 0))
         if self.running is not None:
             self.running.cancelled.set()
-        self.jobs.put(None)
-        self.thread.join(timeout)
+        return self.idle.wait(timeout)
 
     def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while True:
+            job = self.jobs.get()
+            self.idle.clear()
             self.running, tic = job, time.monotonic()
             try:
                 self._serve(job)
@@ -118,8 +129,12 @@ class Worker:
             finally:
                 self.running = None
                 self.durations.append(time.monotonic() - tic)
+                if self.jobs.empty():
+                    self.idle.set()
 
     def _serve(self, job: Job) -> None:
+        if self.closed:
+            job.cancelled.set()
         if job.cancelled.is_set() or time.monotonic() > job.deadline:
             job.events.put(("end", "cancelled" if job.cancelled.is_set() else "timeout", 0))
             return
@@ -136,6 +151,7 @@ class Worker:
                     break
         finally:
             records.close()  # releases the model's capture, at once
+            mx.synchronize()  # nothing of this job's left running in this thread's stream
         job.events.put(("end", reason, self.cache.reused if self.cache is not None else 0))
 
 
@@ -304,6 +320,11 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "dflash2"
     app: App  # set on the subclass `make_server` builds
 
+    def setup(self):
+        super().setup()
+        # a client that stops reading cannot hold its thread (and the server's shutdown) for long
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))
+
     def log_message(self, format, *args):  # noqa: A002 -- the standard library's name
         log.info("%s %s", self.address_string(), format % args)
 
@@ -324,8 +345,9 @@ class Handler(BaseHTTPRequestHandler):
     def _client_gone(self) -> bool:
         """The client closed its side (HTTP/1.0 clients send nothing more: readable means EOF or reset)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
         except OSError:
             return True
 
@@ -397,7 +419,9 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
     def _base(self, request: Request, rid: str, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if request.kind == "chat" else "text_completion"
+        kind = "text_completion"
+        if request.kind == "chat":
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.app.model_id}
 
     def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False) -> dict:
@@ -507,8 +531,10 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def make_server(app: App, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
-    """The HTTP server for `app` (not yet serving: call serve_forever)."""
+    """The HTTP server for `app` (not yet serving: call serve_forever). Stop it with `shutdown()`, then
+    `app.close()` (which ends every job), then `server_close()` (which joins the connection threads: none is
+    left running Python, and freeing MLX arrays, while the interpreter exits)."""
     handler = type("DFlashHandler", (Handler,), {"app": app})
     server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server.daemon_threads = False
     return server

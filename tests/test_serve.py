@@ -50,10 +50,10 @@ def running(target_dir, drafter_dir, *flags):
         yield app, server.server_address[1]
     finally:
         server.shutdown()
-        server.server_close()
         app.close()
+        server.server_close()
         thread.join(TIMEOUT)
-        assert not app.worker.thread.is_alive()
+        assert app.worker.idle.is_set() and app.worker.running is None
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,8 @@ def test_models_health_and_unknown_routes(served):
     assert request(port, "POST", "/v1/embeddings", {"input": "x"})[0] == 404
     # the served name and mlx_lm.server's "default_model" are both accepted
     for name in (str(app.model_id), "default_model"):
-        assert request(port, "POST", "/v1/chat/completions", {"messages": GOOD, "model": name, "max_tokens": 2})[0] == 200
+        body = {"messages": GOOD, "model": name, "max_tokens": 2}
+        assert request(port, "POST", "/v1/chat/completions", body)[0] == 200
 
 
 @contextmanager
