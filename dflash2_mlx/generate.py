@@ -200,7 +200,8 @@ def stream_generate(
         with wired_limit(model, [generation_stream]):
             for i, (tokens, accepted, draft_failed, step_block) in enumerate(steps):
                 if i == 0:
-                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    prefilled = prompt.size - (prompt_cache.reused if prompt_cache is not None else 0)
+                    prompt_tps = prefilled / (time.perf_counter() - tic)  # the tokens the cache did not hold
                     tic = time.perf_counter()
                 tokens = tokens[: max_tokens - n]
                 stop = next((j for j, t in enumerate(tokens) if t in eos), None)
