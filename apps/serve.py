@@ -27,8 +27,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import mlx.core as mx
-
 from dflash2_mlx import PromptCache, stream_generate
 from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
 from dflash2_mlx.sampling import SamplingParams
@@ -151,7 +149,6 @@ class Worker:
                     break
         finally:
             records.close()  # releases the model's capture, at once
-            mx.synchronize()  # nothing of this job's left running in this thread's stream
         job.events.put(("end", reason, self.cache.reused if self.cache is not None else 0))
 
 
