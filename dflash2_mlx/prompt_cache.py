@@ -23,6 +23,9 @@ from .target import Target, _offset
 
 
 class PromptCache:
+    """Pass one to consecutive `stream_generate` calls (`prompt_cache=`) on the same model and drafter; one
+    generation at a time uses it (the model's capture refuses a second)."""
+
     def __init__(self):
         self.clear()
 
