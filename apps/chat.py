@@ -15,9 +15,10 @@ from dflash2_mlx.generate import summarize
 HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
 
 
-def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None = None, reuse: bool = True,
+def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool,
          read=input, out=sys.stdout, err=sys.stderr) -> list[dict]:
-    """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s."""
+    """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s; `reuse`
+    keeps the conversation's caches from turn to turn (a `PromptCache`)."""
     from dflash2_apps.cli import _summary
 
     opening = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -179,14 +179,21 @@ def _serve_parser(sub) -> None:
     )
     _add_model_args(p)
     _add_sampling_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (anything but loopback exposes the model)")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stderr)")
-    p.add_argument("--queue-size", type=int, default=8, help="requests waiting beyond the running one; more get 503")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may take, queueing included; past it the generation is stopped")
-    p.add_argument("--context-length", type=int,
+    from dflash2_apps.serve import ServeSettings
+
+    d = ServeSettings()
+    p.add_argument("--host", default=d.host, help="address to bind (anything but loopback exposes the model; "
+                   "default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port, printed on stderr (default "
+                   "%(default)s)")
+    p.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help="requests waiting beyond the running one; more get 503 (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may take, queueing included; past it the generation is stopped "
+                   "(default %(default)s)")
+    p.add_argument("--context-length", type=int, default=d.context_length,
                    help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)")
-    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
                    help="reuse the previous request's caches for the prefix a request shares with it")
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
     p.set_defaults(run=_run_serve)
@@ -194,15 +201,16 @@ def _serve_parser(sub) -> None:
 
 def build_server(args):
     """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
-    from dflash2_apps.serve import App, make_server
+    from dflash2_apps.serve import App, ServeSettings, make_server
     from dflash2_mlx.assets import DEFAULT_TARGET_NAME
 
+    settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
+                             args.prompt_cache)
     model, tokenizer, drafter = _load_pair(args)
     app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
-              _generation_kwargs(args), queue_size=args.queue_size, request_timeout=args.request_timeout,
-              context_length=args.context_length, prompt_cache=args.prompt_cache)
+              _generation_kwargs(args), settings)
     try:
-        return app, make_server(app, args.host, args.port)
+        return app, make_server(app)
     except BaseException:
         app.close()
         raise

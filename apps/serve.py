@@ -57,6 +57,18 @@ class ClientGone(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's own settings (`dflash2 serve` takes its flags' defaults from here)."""
+
+    host: str = "127.0.0.1"  # anything but loopback exposes the model to the network
+    port: int = 8080  # 0 picks a free port
+    queue_size: int = 8  # requests waiting beyond the running one; more get 503
+    request_timeout: float = 600.0  # seconds a request may take, queueing included
+    context_length: int | None = None  # longest prompt + max_tokens accepted; None: the model's own
+    prompt_cache: bool = True  # reuse the previous request's caches for the prefix a request shares with it
+
+
 @dataclass
 class Job:
     prompt: list[int]  # token ids (MLX arrays are made in the worker's thread, which evaluates them)
@@ -70,7 +82,7 @@ class Worker:
     """The one thread that runs generations. Events a job gets: ("record", GenerationResponse) ..., then
     ("end", reason, cached prompt tokens) with reason "finished", "cancelled" or "timeout", or ("error", exc)."""
 
-    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool = True):
+    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool):
         if queue_size < 1:
             raise ValueError(f"--queue-size must be at least 1, got {queue_size}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
@@ -223,17 +235,17 @@ class Request:
 class App:
     """What the HTTP handlers share: the worker, the model's name and context, and the default settings."""
 
-    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, *, queue_size: int = 8,
-                 request_timeout: float = 600.0, context_length: int | None = None, prompt_cache: bool = True):
-        self.tokenizer, self.model_id, self.defaults = tokenizer, model_id, defaults
-        self.request_timeout = request_timeout
-        target = Target(model)
-        self.vocab_size = target.vocab_size
-        self.context_length = context_length or getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings):
+        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset."""
+        self.tokenizer, self.model_id, self.defaults, self.settings = tokenizer, model_id, defaults, settings
+        self.request_timeout = settings.request_timeout
+        self.vocab_size = Target(model).vocab_size
+        model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.context_length = settings.context_length or model_context
         if self.context_length is None:
             log.warning("the model does not say its context length: prompts are not checked against one "
                         "(set --context-length)")
-        self.worker = Worker(model, tokenizer, drafter, queue_size, prompt_cache)
+        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache)
         self.created = int(time.time())
 
     def parse(self, kind: str, body) -> Request:
@@ -527,11 +539,11 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def make_server(app: App, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
-    """The HTTP server for `app` (not yet serving: call serve_forever). Stop it with `shutdown()`, then
-    `app.close()` (which ends every job), then `server_close()` (which joins the connection threads: none is
-    left running Python, and freeing MLX arrays, while the interpreter exits)."""
+def make_server(app: App) -> ThreadingHTTPServer:
+    """The HTTP server for `app`, bound to its settings' host and port (not yet serving: call serve_forever).
+    Stop it with `shutdown()`, then `app.close()` (which ends every job), then `server_close()` (which joins
+    the connection threads: none is left running Python, and freeing MLX arrays, while the interpreter exits)."""
     handler = type("DFlashHandler", (Handler,), {"app": app})
-    server = ThreadingHTTPServer((host, port), handler)
+    server = ThreadingHTTPServer((app.settings.host, app.settings.port), handler)
     server.daemon_threads = False
     return server
