@@ -112,17 +112,20 @@ def tree_steps(
     budget: int,
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Step]:
     """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep. Two reads per
     cycle: the lattice (the tree is built on the host) and the target's choice at every node."""
     check_target(target)
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
-    check_cache(cache)
+    state = prompt_cache if prompt_cache is not None else PromptCache()
     mask_id = drafter.config.mask_token_id
-    with target.capture() as tap:
-        logits, context = tap.prefill(prompt, cache, prefill_step_size)
+    with target.capture() as tap, state.filling():
+        cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
+        check_cache(cache)
+        logits, context = tap.prefill(rest, cache, prefill_step_size)
+        context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params).item()
-        yield Step([anchor])
+        yield state.commit(Step([anchor]), [context])
         produced = 1
         while True:
             B = block_size if max_tokens is None else max(2, min(block_size, max_tokens - produced + 1))
@@ -143,7 +146,8 @@ def tree_steps(
             tap.rollback(cache, verified, len(path))
             context = verified.features[mx.array(path)]
             produced += len(path)
-            yield Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B)
+            yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B),
+                               [context])
 
 
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):

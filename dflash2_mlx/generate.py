@@ -184,7 +184,7 @@ def stream_generate(
         )
     if verify_mode == "ddtree":
         steps = tree_steps(target, drafter, prompt, params, resolve_block_size(drafter, block_size, verify_mode),
-                           tree_budget, max_tokens, prefill_step_size)
+                           tree_budget, max_tokens, prefill_step_size, prompt_cache)
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target
 
@@ -85,18 +86,33 @@ def test_hybrid_reuses_only_a_whole_cache(tokenizer):
     check_sequence(model, tokenizer, make_dflash2_drafter(model, block_size=8), trimmable=False)
 
 
-@pytest.mark.parametrize("mode", ["adaptive", "off"])
+@pytest.mark.parametrize("mode", ["adaptive", "ddtree", "off"])
 def test_other_modes_reuse_too(mode, tokenizer):
+    """Tokens equal a fresh run's in every mode; in ddtree mode (deterministic, unlike adaptive mode's timed
+    block sizes) so do the acceptances and the logits of every draft row the drafter computed."""
     model = make_target("qwen3", seed=6)
     drafter = make_dflash2_drafter(model, block_size=8)
-    proposals = recording(drafter)
+    proposals, rows, draft_rows = recording(drafter), [], drafter.draft_rows
+
+    def record_rows(*args):
+        hidden, logits = draft_rows(*args)
+        rows.append(np.array(logits))
+        return hidden, logits
+
+    drafter.draft_rows = record_rows
     cache, kw = PromptCache(), {"verify_mode": mode, "block_size": None}
     p1 = list(range(10, 30))
     first = run(model, tokenizer, p1, drafter, proposals, cache, **kw)
     p2 = p1 + first[0] + [40, 41, 42]
-    assert run(model, tokenizer, p2, drafter, proposals, cache, **kw)[0] == run(
-        model, tokenizer, p2, drafter, proposals, **kw)[0]
+    rows.clear()
+    reused, reused_rows = run(model, tokenizer, p2, drafter, proposals, cache, **kw), list(rows)
     assert cache.reused >= len(p1) + len(first[0]) - 1
+    rows.clear()
+    fresh = run(model, tokenizer, p2, drafter, proposals, **kw)
+    assert reused[0] == fresh[0]
+    if mode == "ddtree":
+        assert reused[1] == fresh[1] and len(reused_rows) == len(rows) == len(fresh[1]) > 0
+        assert all(a.shape == b.shape and np.allclose(a, b, atol=1e-4) for a, b in zip(reused_rows, rows))
 
 
 def test_a_generation_closed_early_leaves_a_usable_cache(tokenizer):
