@@ -11,27 +11,29 @@ KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal e
 
 
 def _generate_parser(sub) -> None:
-    from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
-
     p = sub.add_parser(
         "generate",
         help="generate text with DFlash speculative decoding (or plain decoding of the same target)",
         description="Generate text from a target model, speculatively with a DFlash drafter.",
     )
+    _add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
+    _add_sampling_args(p)
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(run=_run_generate)
+
+
+def _add_model_args(p) -> None:
+    """The target, the drafter and how they decode: what generate, serve and chat share."""
+    from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
+
     p.add_argument(
         "--model",
         help="target: mlx-lm model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--draft-model",
                    help="DFlash drafter: local folder or hub id (default target: its bundled DFlash 2 drafter)")
-    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="0 = off; as in mlx-lm, top-p, min-p and top-k filter before temperature applies")
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--block-size", type=int, default=None,
         help="runtime block size (draft + verify tokens per cycle); dflash mode: default the drafter's, "
@@ -70,9 +72,16 @@ def _generate_parser(sub) -> None:
     )
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
-    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.set_defaults(run=_run_generate)
+
+
+def _add_sampling_args(p) -> None:
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="0 = off; as in mlx-lm, top-p, min-p and top-k filter before temperature applies")
+    p.add_argument("--seed", type=int, default=None)
 
 
 def _apply_omlx_settings(args) -> None:
@@ -94,10 +103,10 @@ def _apply_omlx_settings(args) -> None:
         print(f"[dflash2] oMLX settings: {note}", file=sys.stderr)
 
 
-def _run_generate(args) -> int:
-    from dflash2_mlx import generate, load
+def _load_pair(args):
+    """(model, tokenizer, drafter) as `_add_model_args`' flags say; drafter None for --verify-mode off."""
+    from dflash2_mlx import load
     from dflash2_mlx.kernels import set_kernels
-    from dflash2_mlx.runtime import runtime_info
 
     set_kernels(args.kernels)
     _apply_omlx_settings(args)
@@ -111,8 +120,7 @@ def _run_generate(args) -> int:
         from dflash2_mlx.assets import default_drafter
 
         args.draft_model = str(default_drafter())
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    model, tokenizer, drafter = load(
+    return load(
         args.model,
         args.draft_model if args.verify_mode != "off" else None,
         dtype=args.dtype,
@@ -121,16 +129,11 @@ def _run_generate(args) -> int:
         draft_vocab=args.draft_vocab,
         draft_vocab_counts=args.draft_vocab_counts,
     )
-    if not args.ignore_chat_template and tokenizer.has_chat_template:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
-    result = generate(
-        model,
-        tokenizer,
-        prompt,
-        drafter,
-        verbose=not args.json,
+
+
+def _generation_kwargs(args) -> dict:
+    """`stream_generate`'s keyword arguments from the model and sampling flags."""
+    return dict(
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
@@ -144,12 +147,111 @@ def _run_generate(args) -> int:
         max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
+
+
+def _run_generate(args) -> int:
+    from dflash2_mlx import generate
+    from dflash2_mlx.runtime import runtime_info
+
+    model, tokenizer, drafter = _load_pair(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.ignore_chat_template and tokenizer.has_chat_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **_generation_kwargs(args))
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
         extra = {"path": args.path, "draft_quant": args.draft_quant, "draft_vocab": vocab, "runtime": runtime_info()}
         print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and text completions, streaming or not)",
+        description="Serve the target, speculatively with a DFlash drafter, over OpenAI's API: POST "
+        "/v1/chat/completions and /v1/completions, GET /v1/models and /health. The generation flags are the "
+        "defaults of requests that do not set them.",
+    )
+    _add_model_args(p)
+    _add_sampling_args(p)
+    from dflash2_apps.serve import ServeSettings
+
+    d = ServeSettings()
+    p.add_argument("--host", default=d.host, help="address to bind (anything but loopback exposes the model; "
+                   "default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port, printed on stderr (default "
+                   "%(default)s)")
+    p.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help="requests waiting beyond the running one; more get 503 (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may take, queueing included; past it the generation is stopped "
+                   "(default %(default)s)")
+    p.add_argument("--context-length", type=int, default=d.context_length,
+                   help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
+                   help="reuse the previous request's caches for the prefix a request shares with it")
+    p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
+    p.set_defaults(run=_run_serve)
+
+
+def build_server(args):
+    """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
+    from dflash2_apps.serve import App, ServeSettings, make_server
+    from dflash2_mlx.assets import DEFAULT_TARGET_NAME
+
+    settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
+                             args.prompt_cache)
+    model, tokenizer, drafter = _load_pair(args)
+    app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
+              _generation_kwargs(args), settings)
+    try:
+        return app, make_server(app)
+    except BaseException:
+        app.close()
+        raise
+
+
+def _run_serve(args) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="[dflash2] %(message)s")
+    app, server = build_server(args)
+    host, port = server.server_address[:2]
+    mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
+    print(f"[dflash2] serving {app.model_id} ({mode}) on http://{host}:{port}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        app.close()
+        server.server_close()
+    return 0
+
+
+def _chat_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="an interactive chat in the terminal, keeping the conversation and its caches",
+        description="Chat with the target, speculatively with a DFlash drafter. Each turn reuses the caches of "
+        "the conversation so far and prints its acceptance summary. 'q' quits, 'r' starts a new conversation.",
+    )
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--system-prompt", help="a system message opening the conversation")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the conversation's caches from turn to turn")
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args) -> int:
+    from dflash2_apps.chat import repl
+
+    model, tokenizer, drafter = _load_pair(args)
+    repl(model, tokenizer, drafter, _generation_kwargs(args), args.system_prompt, args.prompt_cache)
     return 0
 
 
@@ -540,18 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         from dflash2_apps.openblas import restart_with_openblas
 
         restart_with_openblas(["-m", "dflash2_apps.cli", *sys.argv[1:]])
-    parser = argparse.ArgumentParser(
-        prog="dflash2", description="DFlash / DFlash 2 speculative decoding on MLX"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
-    _convert_parser(sub)
-    _export_parser(sub)
-    _data_parser(sub)
-    _train_parser(sub)
-    _bench_parser(sub)
-    _info_parser(sub)
-    args = parser.parse_args(argv)
+    args = make_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -560,6 +651,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash2", description="DFlash / DFlash 2 speculative decoding on MLX"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _chat_parser(sub)
+    _convert_parser(sub)
+    _export_parser(sub)
+    _data_parser(sub)
+    _train_parser(sub)
+    _bench_parser(sub)
+    _info_parser(sub)
+    return parser
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from .config import DraftConfig
 from .drafter import DFlashDraftModel
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loading import load, load_drafter
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .target import Target
 
@@ -14,6 +15,7 @@ __all__ = [
     "DraftConfig",
     "GenerationResponse",
     "GenerationResult",
+    "PromptCache",
     "SamplingParams",
     "Target",
     "generate",

@@ -16,6 +16,7 @@ import numpy as np
 
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams, accept, sample
 from .target import Capture, Target
 from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
@@ -30,18 +31,21 @@ class Step(NamedTuple):
 
 
 def plain_steps(
-    target: Target, prompt: mx.array, params: SamplingParams, prefill_step_size: int = 2048
+    target: Target, prompt: mx.array, params: SamplingParams, prefill_step_size: int = 2048,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Step]:
     """One target forward per token; the next token is computed while the caller reads this one."""
-    cache = target.make_cache()
-    logits = target.prefill(prompt, cache, prefill_step_size)
-    token = sample(logits, params)
-    while True:
-        logits = target(token.reshape(1), cache)
-        next_token = sample(logits[-1], params)
-        mx.async_eval(next_token)
-        yield Step([token.item()])
-        token = next_token
+    state = prompt_cache if prompt_cache is not None else PromptCache()
+    with state.filling():
+        cache, _, _, rest = state.start(target, None, prompt)
+        logits = target.prefill(rest, cache, prefill_step_size)
+        token = sample(logits, params)
+        while True:
+            logits = target(token.reshape(1), cache)
+            next_token = sample(logits[-1], params)
+            mx.async_eval(next_token)
+            yield state.commit(Step([token.item()]), [])
+            token = next_token
 
 
 def dflash_steps(
@@ -53,14 +57,18 @@ def dflash_steps(
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
     walk: str = "greedy",
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Step]:
-    """`blocks` picks each cycle's block size: B >= 2 drafts B-1 tokens, B = 1 runs plain steps."""
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
+    """`blocks` picks each cycle's block size: B >= 2 drafts B-1 tokens, B = 1 runs plain steps.
+    `prompt_cache`: start from the prefix it shares with `prompt`, and leave this generation's caches in it."""
+    state = prompt_cache if prompt_cache is not None else PromptCache()
     mask_id = drafter.config.mask_token_id
-    with target.capture() as tap:
-        logits, context = tap.prefill(prompt, cache, prefill_step_size)
+    with target.capture() as tap, state.filling():
+        cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
+        logits, context = tap.prefill(rest, cache, prefill_step_size)
+        context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params)
-        yield Step([anchor.item()])
+        yield state.commit(Step([anchor.item()]), [context])
         produced, tic = 1, time.perf_counter()
         while True:
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
@@ -68,7 +76,7 @@ def dflash_steps(
                 run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
                 rows = [context]
                 for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append)):
-                    yield step
+                    yield state.commit(step, rows)
                     tic = tic if i else time.perf_counter()  # steady pipelined steps are timed from here
                 context, produced = mx.concatenate(rows), produced + run
                 if run > 1:
@@ -91,7 +99,7 @@ def dflash_steps(
             anchor = mx.array(bonus_id, dtype=anchor.dtype)
             produced += a + 1
             blocks.observe_cycle(B, a, time.perf_counter() - tic)
-            yield Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B)
+            yield state.commit(Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B), [context])
             tic = time.perf_counter()
 
 
@@ -104,17 +112,20 @@ def tree_steps(
     budget: int,
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Step]:
     """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep. Two reads per
     cycle: the lattice (the tree is built on the host) and the target's choice at every node."""
     check_target(target)
-    cache, draft_cache = target.make_cache(), drafter.make_cache()
-    check_cache(cache)
+    state = prompt_cache if prompt_cache is not None else PromptCache()
     mask_id = drafter.config.mask_token_id
-    with target.capture() as tap:
-        logits, context = tap.prefill(prompt, cache, prefill_step_size)
+    with target.capture() as tap, state.filling():
+        cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
+        check_cache(cache)
+        logits, context = tap.prefill(rest, cache, prefill_step_size)
+        context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params).item()
-        yield Step([anchor])
+        yield state.commit(Step([anchor]), [context])
         produced = 1
         while True:
             B = block_size if max_tokens is None else max(2, min(block_size, max_tokens - produced + 1))
@@ -135,7 +146,8 @@ def tree_steps(
             tap.rollback(cache, verified, len(path))
             context = verified.features[mx.array(path)]
             produced += len(path)
-            yield Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B)
+            yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B),
+                               [context])
 
 
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):

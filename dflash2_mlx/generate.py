@@ -18,6 +18,7 @@ from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .target import Target
 
@@ -71,9 +72,14 @@ class GenerationResult:
 
 def _encode(tokenizer, prompt: str | Sequence[int] | mx.array) -> mx.array:
     if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        prompt = encode_text(tokenizer, prompt)
     return mx.array(prompt, dtype=mx.uint32).reshape(-1)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The token ids `stream_generate` feeds for a text prompt (special tokens added unless it starts with BOS)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
 DFLASH2_DEFAULT_BLOCK_CAP = 5
@@ -126,6 +132,7 @@ def stream_generate(
     max_context: int | None = None,
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
     same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
@@ -141,6 +148,8 @@ def stream_generate(
     deep (default: the drafter's trained size), built best-first from the drafter's lattice (`tree.py`).
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
     the records then say verify_mode "off".
+    prompt_cache: a `PromptCache` passed to consecutive generations (a multi-turn chat): each reuses the
+    caches for the prefix its prompt shares with the previous one's tokens (`prompt_cache.reused` says how many).
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
@@ -175,13 +184,13 @@ def stream_generate(
         )
     if verify_mode == "ddtree":
         steps = tree_steps(target, drafter, prompt, params, resolve_block_size(drafter, block_size, verify_mode),
-                           tree_budget, max_tokens, prefill_step_size)
+                           tree_budget, max_tokens, prefill_step_size, prompt_cache)
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
-        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk)
+        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache)
     else:
-        steps = plain_steps(target, prompt, params, prefill_step_size)
+        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -191,7 +200,8 @@ def stream_generate(
         with wired_limit(model, [generation_stream]):
             for i, (tokens, accepted, draft_failed, step_block) in enumerate(steps):
                 if i == 0:
-                    prompt_tps = prompt.size / (time.perf_counter() - tic)
+                    prefilled = prompt.size - (prompt_cache.reused if prompt_cache is not None else 0)
+                    prompt_tps = prefilled / (time.perf_counter() - tic)  # the tokens the cache did not hold
                     tic = time.perf_counter()
                 tokens = tokens[: max_tokens - n]
                 stop = next((j for j, t in enumerate(tokens) if t in eos), None)
@@ -235,28 +245,40 @@ def generate(
     **kwargs,
 ) -> GenerationResult:
     """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
-    text, tokens, accepted, failures, last = "", [], [], 0, None
-    block_sizes, plain_tokens = Counter(), 0
+    records = []
     for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
-        text += last.text
-        tokens += last.tokens
-        if last.accepted is not None:
-            accepted.append(last.accepted)
-            block_sizes[last.block_size] += 1
-        if last.block_size == 1:
-            plain_tokens += len(last.tokens)
-        if last.draft_failed and not failures:
+        if last.draft_failed and not any(r.draft_failed for r in records):
             warnings.warn(
                 "the drafter produced non-finite logits (NaN/inf); such cycles fall back to plain decoding. "
                 "Run the drafter in bfloat16 or float32.",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        failures += last.draft_failed
+        records.append(last)
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
+    return summarize(records, drafter, kwargs.get("block_size"), kwargs.get("tree_budget"))
+
+
+def summarize(
+    records: Sequence[GenerationResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
+    tree_budget: int | None = None,
+) -> GenerationResult:
+    """The `GenerationResult` of a generation's records (all of them, or those read before it was stopped);
+    `drafter`, `block_size` and `tree_budget` as given to `stream_generate`."""
+    text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
+    block_sizes, plain_tokens = Counter(), 0
+    for r in records:
+        text += r.text
+        tokens += r.tokens
+        if r.accepted is not None:
+            accepted.append(r.accepted)
+            block_sizes[r.block_size] += 1
+        if r.block_size == 1:
+            plain_tokens += len(r.tokens)
+        failures += r.draft_failed
     speculative = last.verify_mode != "off"
     return GenerationResult(
         text=text,
@@ -269,8 +291,8 @@ def generate(
         peak_memory_gb=last.peak_memory,
         finish_reason=last.finish_reason,
         verify_mode=last.verify_mode,
-        block_size=resolve_block_size(drafter, kwargs.get("block_size"), last.verify_mode) if speculative else None,
-        tree_budget=(kwargs.get("tree_budget") or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
+        block_size=resolve_block_size(drafter, block_size, last.verify_mode) if speculative else None,
+        tree_budget=(tree_budget or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
         draft_failures=failures,
         block_sizes=dict(sorted(block_sizes.items())),
         plain_tokens=plain_tokens,

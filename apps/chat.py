@@ -1,0 +1,60 @@
+"""`dflash2 chat`: a terminal chat like `mlx_lm.chat`, speculative, keeping the conversation and its caches.
+
+Every turn renders the whole conversation with the chat template and generates from it with one `PromptCache`,
+so only the new message is prefilled: the caches of everything before it are reused.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx.generate import summarize
+
+HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
+
+
+def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool,
+         read=input, out=sys.stdout, err=sys.stderr) -> list[dict]:
+    """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s; `reuse`
+    keeps the conversation's caches from turn to turn (a `PromptCache`)."""
+    from dflash2_apps.cli import _summary
+
+    opening = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages, cache = list(opening), PromptCache() if reuse else None
+    print(f"[dflash2] {HELP}", file=err)
+    while True:
+        try:
+            query = read(">> ")
+        except EOFError:
+            break
+        if query.strip() == "q":
+            break
+        if query.strip() in ("r", "h", ""):
+            if query.strip() == "r":
+                messages = list(opening)
+            print(f"[dflash2] {'new conversation' if query.strip() == 'r' else HELP}", file=err)
+            continue
+        messages.append({"role": "user", "content": query})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        records, tic, ttft = [], time.perf_counter(), None
+        turn = stream_generate(model, tokenizer, prompt, drafter, prompt_cache=cache, **kwargs)
+        try:
+            for r in turn:
+                ttft = ttft if ttft is not None else time.perf_counter() - tic
+                records.append(r)
+                print(r.text, end="", flush=True, file=out)
+        except KeyboardInterrupt:  # ends the turn, not the chat; what was said so far stays
+            print(" [interrupted]", end="", file=out)
+        finally:
+            turn.close()
+        print(file=out, flush=True)
+        if not records:
+            messages.pop()
+            continue
+        result = summarize(records, drafter, kwargs.get("block_size"), kwargs.get("tree_budget"))
+        messages.append({"role": "assistant", "content": result.text})
+        reused = f"{cache.reused} of {result.prompt_tokens} prompt tokens from the cache" if cache else "no cache"
+        print(f"{_summary(result)} | TTFT {ttft * 1000:.0f} ms, {reused}", file=err, flush=True)
+    return messages

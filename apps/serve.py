@@ -1,0 +1,549 @@
+"""`dflash2 serve`: an OpenAI-compatible HTTP server over `stream_generate`.
+
+POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`), GET /v1/models and
+GET /health. Request fields are OpenAI's and mlx_lm.server's; every response carries `usage` and a `dflash`
+object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
+`X-DFlash-*` headers, so a fallback to plain decoding is visible.
+
+One worker thread owns the model and runs one generation at a time, reusing the caches of the shared prefix
+with the previous one (`PromptCache`). HTTP threads (the standard library's ThreadingHTTPServer, one per
+connection) validate a request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its
+records. A job is cancelled, at the next cycle, when its client disconnects, a stop string is met, or its
+timeout passes; the generation is always closed, which releases the model's capture.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.target import Target
+
+log = logging.getLogger("dflash2.serve")
+
+MAX_BODY_BYTES = 16 << 20
+GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
+POLL_SECONDS = 0.2  # how often a waiting client connection is checked
+SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's own settings (`dflash2 serve` takes its flags' defaults from here)."""
+
+    host: str = "127.0.0.1"  # anything but loopback exposes the model to the network
+    port: int = 8080  # 0 picks a free port
+    queue_size: int = 8  # requests waiting beyond the running one; more get 503
+    request_timeout: float = 600.0  # seconds a request may take, queueing included
+    context_length: int | None = None  # longest prompt + max_tokens accepted; None: the model's own
+    prompt_cache: bool = True  # reuse the previous request's caches for the prefix a request shares with it
+
+
+@dataclass
+class Job:
+    prompt: list[int]  # token ids (MLX arrays are made in the worker's thread, which evaluates them)
+    kwargs: dict  # stream_generate's keyword arguments
+    deadline: float  # time.monotonic()
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """The one thread that runs generations. Events a job gets: ("record", GenerationResponse) ..., then
+    ("end", reason, cached prompt tokens) with reason "finished", "cancelled" or "timeout", or ("error", exc)."""
+
+    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool):
+        if queue_size < 1:
+            raise ValueError(f"--queue-size must be at least 1, got {queue_size}")
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.cache = PromptCache() if prompt_cache else None
+        self.running: Job | None = None
+        self.durations: deque = deque(maxlen=16)  # seconds of recent jobs, for Retry-After
+        self.idle, self.closed = threading.Event(), False
+        self.idle.set()
+        self.thread = threading.Thread(target=self._loop, name="dflash2-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> bool:
+        if self.closed:
+            return False
+        try:
+            self.jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free."""
+        mean = sum(self.durations) / len(self.durations) if self.durations else 1.0
+        return max(1, math.ceil(mean))
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Cancel everything queued and running; True once no generation runs. The thread itself is left
+        parked, not ended: a thread that ran MLX work and exits while the process lives on can make the process
+        abort at exit ("terminate called without an active exception", MLX 0.32 on Linux), so it stays a daemon
+        blocked on the queue until the process ends."""
+        self.closed = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            job.cancelled.set()
+            job.events.put(("end", "cancelled", 0))
+        if self.running is not None:
+            self.running.cancelled.set()
+        return self.idle.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            self.idle.clear()
+            self.running, tic = job, time.monotonic()
+            try:
+                self._serve(job)
+            except BaseException as e:  # noqa: BLE001 -- the worker outlives any one request
+                log.exception("generation failed")
+                job.events.put(("error", e))
+            finally:
+                self.running = None
+                self.durations.append(time.monotonic() - tic)
+                if self.jobs.empty():
+                    self.idle.set()
+
+    def _serve(self, job: Job) -> None:
+        if self.closed:
+            job.cancelled.set()
+        if job.cancelled.is_set() or time.monotonic() > job.deadline:
+            job.events.put(("end", "cancelled" if job.cancelled.is_set() else "timeout", 0))
+            return
+        records = stream_generate(self.model, self.tokenizer, job.prompt, self.drafter, prompt_cache=self.cache,
+                                  **job.kwargs)
+        reason = "finished"
+        try:
+            for r in records:
+                job.events.put(("record", r))
+                if r.finish_reason:
+                    break
+                if job.cancelled.is_set() or time.monotonic() > job.deadline:
+                    reason = "cancelled" if job.cancelled.is_set() else "timeout"
+                    break
+        finally:
+            records.close()  # releases the model's capture, at once
+        job.events.put(("end", reason, self.cache.reused if self.cache is not None else 0))
+
+
+class StopText:
+    """Cuts streamed text at the first stop string, holding back a tail that may be the start of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held = [s for s in stops if s], ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text that can be sent, whether a stop string was met)."""
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+# -- request validation -------------------------------------------------------------------------------------
+
+
+def _field(body: dict, name: str, types, default=None, check=None, expect: str = ""):
+    """body[name] if present and not null, of `types` (bools are never numbers), passing `check`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    numeric = types in (int, float, (int, float))
+    if isinstance(value, bool) and numeric or not isinstance(value, types):
+        wanted = expect or (types.__name__ if isinstance(types, type) else "a number")
+        raise ApiError(400, f"'{name}' must be {wanted}, got {json.dumps(value)}", param=name)
+    if check is not None and not check(value):
+        raise ApiError(400, f"'{name}' must be {expect}, got {json.dumps(value)}", param=name)
+    return value
+
+
+def _message_text(i: int, message) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", param="messages")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise ApiError(400, f"messages[{i}].role must be a string", param="messages")
+    if content is None:
+        content = ""
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} "
+                           "(this server takes text only)", param="messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+    return role, content
+
+
+@dataclass
+class Request:
+    kind: str  # "chat" or "text"
+    prompt: list[int]
+    kwargs: dict
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+
+
+class App:
+    """What the HTTP handlers share: the worker, the model's name and context, and the default settings."""
+
+    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings):
+        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset."""
+        self.tokenizer, self.model_id, self.defaults, self.settings = tokenizer, model_id, defaults, settings
+        self.request_timeout = settings.request_timeout
+        self.vocab_size = Target(model).vocab_size
+        model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.context_length = settings.context_length or model_context
+        if self.context_length is None:
+            log.warning("the model does not say its context length: prompts are not checked against one "
+                        "(set --context-length)")
+        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache)
+        self.created = int(time.time())
+
+    def parse(self, kind: str, body) -> Request:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = _field(body, "model", str, expect="a string")
+        if model not in (None, self.model_id, "default_model"):
+            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {self.model_id!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        stream = _field(body, "stream", bool, False, expect="true or false")
+        options = _field(body, "stream_options", dict, {}, expect="an object")
+        include_usage = _field(options, "include_usage", bool, False, expect="true or false")
+        if _field(body, "n", int, 1, expect="an integer") != 1:
+            raise ApiError(400, "'n' must be 1: this server generates one choice per request", param="n")
+        if _field(body, "logprobs", (bool, int), False, expect="true or false"):
+            raise ApiError(400, "'logprobs' is not supported by this server: leave it unset", param="logprobs")
+        kwargs = dict(self.defaults)
+        limit = None
+        for name in ("max_tokens", "max_completion_tokens"):
+            limit = _field(body, name, int, limit, lambda v: v >= 1, expect="an integer >= 1")
+        number = (int, float)
+        temp = _field(body, "temperature", number, kwargs["temp"], expect="a number")
+        top_p = _field(body, "top_p", number, kwargs["top_p"], expect="a number")
+        top_k = _field(body, "top_k", int, kwargs["top_k"], expect="an integer")
+        min_p = _field(body, "min_p", number, kwargs["min_p"], expect="a number")
+        try:
+            SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        except ValueError as e:
+            raise ApiError(400, str(e).replace("temperature", "'temperature'")) from None
+        kwargs.update(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        kwargs["seed"] = _field(body, "seed", int, kwargs["seed"], expect="an integer")
+        stop = _field(body, "stop", (str, list), [], expect="a string or a list of strings")
+        stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+        prompt = self._prompt(kind, body)
+        n, context = len(prompt), self.context_length
+        if context is not None and n >= context:
+            raise ApiError(400, f"the prompt is {n} tokens, and this model's context is {context} tokens: "
+                           "shorten the prompt", param="messages" if kind == "chat" else "prompt",
+                           code="context_length_exceeded")
+        if context is not None and limit is not None and n + limit > context:
+            raise ApiError(400, f"the prompt ({n} tokens) plus max_tokens ({limit}) exceed this model's context "
+                           f"({context} tokens): lower max_tokens to {context - n} or less",
+                           param="max_tokens", code="context_length_exceeded")
+        if limit is None:
+            limit = kwargs["max_tokens"] if context is None else min(kwargs["max_tokens"], context - n)
+        kwargs["max_tokens"] = limit
+        return Request(kind, prompt, kwargs, stream, include_usage, stop)
+
+    def _prompt(self, kind: str, body: dict):
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                raise ApiError(400, "'messages' must be a list of {'role', 'content'} objects", param="messages")
+            if not messages:
+                raise ApiError(400, "'messages' is empty: send at least one message", param="messages")
+            messages = [dict(zip(("role", "content"), _message_text(i, m))) for i, m in enumerate(messages)]
+            if not self.tokenizer.has_chat_template:
+                raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # the template's own checks (role order, ...) speak for themselves
+                raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
+            return list(ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            if not all(0 <= t < self.vocab_size for t in prompt):
+                raise ApiError(400, f"'prompt' token ids must be in 0..{self.vocab_size - 1}", param="prompt")
+            return prompt
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
+        return encode_text(self.tokenizer, prompt)
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "dflash2"
+    app: App  # set on the subclass `make_server` builds
+
+    def setup(self):
+        super().setup()
+        # a client that stops reading cannot hold its thread (and the server's shutdown) for long
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))
+
+    def log_message(self, format, *args):  # noqa: A002 -- the standard library's name
+        log.info("%s %s", self.address_string(), format % args)
+
+    # -- plumbing ----------------------------------------------------------------------------------------
+    def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, e: ApiError) -> None:
+        self._send_json(e.status, e.body(), e.headers)
+
+    def _client_gone(self) -> bool:
+        """The client closed its side (HTTP/1.0 clients send nothing more: readable means EOF or reset)."""
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
+        except OSError:
+            return True
+
+    def _events(self, job: Job):
+        """The job's events while its client is there; raises ClientGone or a 504 ApiError otherwise."""
+        while True:
+            try:
+                event = job.events.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self._client_gone():
+                    raise ClientGone from None
+                if time.monotonic() > job.deadline + GRACE_SECONDS:
+                    raise ApiError(504, "the generation did not stop at its timeout", kind="server_error") from None
+                continue
+            if event[0] == "record" and self._client_gone():
+                raise ClientGone
+            yield event
+            if event[0] != "record":
+                return
+
+    # -- routes --------------------------------------------------------------------------------------------
+    def do_GET(self):
+        app = self.app
+        if self.path.rstrip("/") == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [
+                {"id": app.model_id, "object": "model", "created": app.created, "owned_by": "dflash2"}]})
+        elif self.path == "/health":
+            alive = app.worker.thread.is_alive()
+            self._send_json(200 if alive else 503, {
+                "status": "ok" if alive else "unavailable", "queued": app.worker.jobs.qsize(),
+                "running": app.worker.running is not None})
+        else:
+            self._send_error(ApiError(404, f"no route GET {self.path}", code="not_found"))
+
+    def do_POST(self):
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path.rstrip("/"))
+        job = None
+        try:
+            if kind is None:
+                raise ApiError(404, f"no route POST {self.path}", code="not_found")
+            request = self.app.parse(kind, self._read_json())
+            job = Job(request.prompt, request.kwargs, time.monotonic() + self.app.request_timeout)
+            if not self.app.worker.submit(job):
+                wait = self.app.worker.retry_after()
+                raise ApiError(503, f"the server is busy: its queue ({self.app.worker.jobs.maxsize} requests) is "
+                               f"full; retry in {wait} s", kind="server_error", code="queue_full",
+                               headers={"Retry-After": wait})
+            (self._stream if request.stream else self._complete)(request, job)
+        except ApiError as e:
+            self._send_error(e)
+        except ClientGone:
+            log.info("client went away; its generation was cancelled")
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client went away mid-response; its generation was cancelled")
+        finally:
+            if job is not None:
+                job.cancelled.set()  # whatever happened here, the worker stops this job at its next cycle
+
+    def _read_json(self):
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise ApiError(411, "a Content-Length header is required")
+        if int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    def _base(self, request: Request, rid: str, chunk: bool) -> dict:
+        kind = "text_completion"
+        if request.kind == "chat":
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.app.model_id}
+
+    def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False) -> dict:
+        if request.kind == "text":
+            return {"index": 0, "text": text or "", "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+
+    def _run(self, request: Request, job: Job, on_text):
+        """Relay the job's text to `on_text` (cut at stop strings); returns (finish reason, records, cached)."""
+        stops, records, finish = StopText(request.stop), [], None
+        for event in self._events(job):
+            if event[0] == "error":
+                e = event[1]
+                raise ApiError(400 if isinstance(e, ValueError) else 500, f"generation failed: {e}",
+                               kind="invalid_request_error" if isinstance(e, ValueError) else "server_error")
+            if event[0] == "end":
+                if event[1] == "timeout":
+                    raise ApiError(504, f"the request ran past its timeout ({self.app.request_timeout:g} s) and "
+                                   f"was stopped after {sum(len(r.tokens) for r in records)} tokens",
+                                   kind="server_error", code="timeout")
+                if event[1] == "cancelled" and finish is None:  # neither a stop string nor this client: shutdown
+                    raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
+                return finish, records, event[2]
+            record: GenerationResponse = event[1]
+            if finish == "stop" and job.cancelled.is_set():
+                continue  # generated past a stop string before the worker saw the cancel: not part of the answer
+            records.append(record)
+            text, stopped = stops.feed(record.text)
+            if record.finish_reason and not stopped:
+                text += stops.flush()
+            on_text(text)
+            if stopped:
+                job.cancelled.set()
+                finish = "stop"
+            elif record.finish_reason:
+                finish = record.finish_reason
+        raise ClientGone  # not reached: _events ends with an "end" or "error" event
+
+    def _usage_and_stats(self, records, cached: int) -> tuple[dict, dict]:
+        completion = sum(len(r.tokens) for r in records)
+        prompt = records[0].prompt_tokens if records else 0
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if not records:
+            return usage, {"cached_tokens": cached}
+        worker = self.app.worker
+        result = summarize(records, worker.drafter, self.app.defaults.get("block_size"),
+                           self.app.defaults.get("tree_budget"))
+        stats = {"verify_mode": result.verify_mode, "tau": result.tau, "cycles": result.cycles,
+                 "accepted": sum(result.accepted), "block_size": result.block_size,
+                 "plain_tokens": result.plain_tokens, "draft_failures": result.draft_failures,
+                 "cached_tokens": cached, "prompt_tps": result.prompt_tps, "generation_tps": result.generation_tps}
+        return usage, stats
+
+    def _complete(self, request: Request, job: Job) -> None:
+        parts = []
+        finish, records, cached = self._run(request, job, parts.append)
+        usage, stats = self._usage_and_stats(records, cached)
+        body = {**self._base(request, f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4()}", False),
+                "choices": [self._choice(request, "".join(parts), finish, False)], "usage": usage, "dflash": stats}
+        headers = {"X-DFlash-Verify-Mode": stats.get("verify_mode"), "X-DFlash-Cycles": stats.get("cycles"),
+                   "X-DFlash-Tau": "" if stats.get("tau") is None else f"{stats['tau']:.3f}"}
+        self._send_json(200, body, headers)
+
+    def _stream(self, request: Request, job: Job) -> None:
+        rid = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4()}"
+        started = False
+
+        def send(body: dict) -> None:
+            nonlocal started
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                started = True
+            self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+            self.wfile.flush()
+
+        first = [True]
+
+        def on_text(text: str) -> None:
+            if text or first[0]:
+                send({**self._base(request, rid, True), "choices": [self._choice(request, text, None, True, first[0])]})
+                first[0] = False
+
+        try:
+            finish, records, cached = self._run(request, job, on_text)
+        except ApiError as e:
+            if not started:
+                raise
+            send(e.body())
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        usage, stats = self._usage_and_stats(records, cached)
+        send({**self._base(request, rid, True), "choices": [self._choice(request, None, finish, True, first[0])],
+              "dflash": stats})
+        if request.include_usage:
+            send({**self._base(request, rid, True), "choices": [], "usage": usage, "dflash": stats})
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+def make_server(app: App) -> ThreadingHTTPServer:
+    """The HTTP server for `app`, bound to its settings' host and port (not yet serving: call serve_forever).
+    Stop it with `shutdown()`, then `app.close()` (which ends every job), then `server_close()` (which joins
+    the connection threads: none is left running Python, and freeing MLX arrays, while the interpreter exits)."""
+    handler = type("DFlashHandler", (Handler,), {"app": app})
+    server = ThreadingHTTPServer((app.settings.host, app.settings.port), handler)
+    server.daemon_threads = False
+    return server
