@@ -28,6 +28,7 @@ def _add_model_args(p) -> None:
     """The target, the drafter and how they decode: what generate, serve and chat share."""
     from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
 
+    d = _generation_defaults()
     p.add_argument(
         "--model",
         help="target: mlx-lm model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
@@ -51,8 +52,8 @@ def _add_model_args(p) -> None:
                    help=f"ddtree mode: draft nodes per tree (default {DEFAULT_TREE_BUDGET}), built best-first from "
                    "the drafter's lattice")
     p.add_argument(
-        "--path", choices=["greedy", "viterbi"], default="greedy",
-        help="how a DFlash 2 drafter's path selector walks its candidates at T = 0",
+        "--path", choices=["greedy", "viterbi"],
+        help=f"how a DFlash 2 drafter's path selector walks its candidates at T = 0 (default {d['walk']})",
     )
     p.add_argument(
         "--draft-quant", metavar="SPEC",
@@ -70,18 +71,29 @@ def _add_model_args(p) -> None:
         "--dtype", choices=["float32", "bfloat16", "float16"],
         help="cast the target's weights (GGUF default: float32 on CPU, quantized tensors kept on Metal)",
     )
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int,
+                   help=f"prompt tokens per prefill forward (default {d['prefill_step_size']})")
     p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
 
 
+def _generation_defaults() -> dict:
+    """`stream_generate`'s own keyword defaults: what a flag left unset means."""
+    from inspect import signature
+
+    from dflash2_mlx.generate import stream_generate
+
+    return {k: p.default for k, p in signature(stream_generate).parameters.items() if p.default is not p.empty}
+
+
 def _add_sampling_args(p) -> None:
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="0 = off; as in mlx-lm, top-p, min-p and top-k filter before temperature applies")
-    p.add_argument("--seed", type=int, default=None)
+    d = _generation_defaults()
+    p.add_argument("--max-tokens", "-m", type=int, help=f"default {d['max_tokens']}")
+    p.add_argument("--temp", type=float, help=f"sampling temperature (0 = greedy; default {d['temp']})")
+    p.add_argument("--top-p", type=float, help=f"1 = off (default {d['top_p']})")
+    p.add_argument("--top-k", type=int, help=f"0 = off (default {d['top_k']})")
+    p.add_argument("--min-p", type=float, help=f"0 = off (default {d['min_p']}); as in mlx-lm, top-p, min-p and top-k "
+                   "filter before temperature applies")
+    p.add_argument("--seed", type=int, help="default: MLX's global random state")
 
 
 def _apply_omlx_settings(args) -> None:
@@ -110,7 +122,7 @@ def _load_pair(args):
 
     set_kernels(args.kernels)
     _apply_omlx_settings(args)
-    args.verify_mode = args.verify_mode or "adaptive"
+    args.verify_mode = args.verify_mode or _generation_defaults()["verify_mode"]
     if args.verify_mode != "off" and not args.draft_model:
         if args.model:
             raise ValueError(
@@ -132,8 +144,8 @@ def _load_pair(args):
 
 
 def _generation_kwargs(args) -> dict:
-    """`stream_generate`'s keyword arguments from the model and sampling flags."""
-    return dict(
+    """`stream_generate`'s keyword arguments from the model and sampling flags (its own default where unset)."""
+    given = dict(
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
@@ -147,6 +159,8 @@ def _generation_kwargs(args) -> dict:
         max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
+    defaults = _generation_defaults()
+    return {k: defaults[k] if v is None and k in defaults else v for k, v in given.items()}
 
 
 def _run_generate(args) -> int:
@@ -159,10 +173,11 @@ def _run_generate(args) -> int:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-    result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **_generation_kwargs(args))
+    kwargs = _generation_kwargs(args)
+    result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
-        extra = {"path": args.path, "draft_quant": args.draft_quant, "draft_vocab": vocab, "runtime": runtime_info()}
+        extra = {"path": kwargs["walk"], "draft_quant": args.draft_quant, "draft_vocab": vocab, "runtime": runtime_info()}
         print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(_summary(result), file=sys.stderr)
