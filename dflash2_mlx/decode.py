@@ -126,9 +126,9 @@ def tree_steps(
         context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params).item()
         yield state.commit(Step([anchor]), [context])
-        produced = 1
+        produced, blocks = 1, FixedBlocks(block_size)
         while True:
-            B = block_size if max_tokens is None else max(2, min(block_size, max_tokens - produced + 1))
+            B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             # Draft: one drafter pass over [anchor, mask * (B-1)], its rows read as a lattice, then a tree.
             block = mx.array([[anchor] + [mask_id] * (B - 1)])
             hidden, draft_logits = drafter.draft_rows(block, context[None], draft_cache)

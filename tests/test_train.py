@@ -381,7 +381,7 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert [(int(r[0]), float(r[2])) for r in curve] == [tuple(h) for h in history]
     assert [float(r[3]) for r in curve] == [f for _, f in card["heldout_first_draft_history"]]
     assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 for r in curve)
-    assert f"2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
+    assert "2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
     shutil.rmtree(tmp_path / "t" / "checkpoint")
     runs = {}
     for mode in ("dflash", "off"):
