@@ -156,18 +156,26 @@ def unavailable_row(method: Method) -> dict:
 
 
 def cost_curves(model, methods: list[Method]) -> list[dict]:
-    """The measured cost model behind each adaptive row: the physical limit of drafting on this machine."""
+    """The measured cost model behind each adaptive row (the physical limit of drafting on this machine) and
+    behind each ddtree row left to the default budget (the verify curve to TREE_BUDGET_MAX + 1 tokens, and the
+    budget it picks)."""
     from dflash2_mlx.adaptive import load_or_measure_costs
     from dflash2_mlx.loading import bind_drafter
+    from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
-    curves = []
+    curves, seen = [], set()
     for m in methods:
-        if m.kind == "adaptive":
-            costs = load_or_measure_costs(bind_drafter(m.drafter, model), m.drafter, m.block_size)
-            step = costs.verify_s[0]
-            curves.append({"drafter": m.drafter_label, "step_s": step,
-                           "verify_steps": [s / step for s in costs.verify_s],
-                           "draft_steps": [s / step for s in costs.draft_s]})
+        tree = m.kind == "ddtree" and m.tree_budget is None
+        if (m.kind != "adaptive" and not tree) or (m.drafter_label, m.block_size, tree) in seen:
+            continue
+        seen.add((m.drafter_label, m.block_size, tree))
+        target = bind_drafter(m.drafter, model)
+        costs = load_or_measure_costs(target, m.drafter, m.block_size, TREE_BUDGET_MAX + 1 if tree else None)
+        step = costs.verify_s[0]
+        curves.append({"drafter": m.drafter_label, "step_s": step, "block_size": m.block_size,
+                       "verify_steps": [s / step for s in costs.verify_s],
+                       "draft_steps": [s / step for s in costs.draft_s],
+                       "tree_budget": default_budget(costs, m.block_size) if tree else None})
     return curves
 
 
@@ -361,7 +369,9 @@ def render(report: dict, console=None) -> str:
         line = (f"cost curve with {c['drafter']} (target forward over n tokens / one plain step, n = 1..): "
                 + " ".join(f"{x:.2f}" for x in c["verify_steps"])
                 + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
-                f"{1000 * c['step_s']:.0f} ms")
+                f"{1000 * c['step_s']:.0f} ms"
+                + (f"; default tree budget at B={c['block_size']}: {c['tree_budget']} nodes"
+                   if c.get("tree_budget") else ""))
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
     sample = report.get("sample_output")
@@ -378,7 +388,7 @@ def render(report: dict, console=None) -> str:
 
 
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
-                walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int, ...] = ()) -> list[Method]:
+                walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int | None, ...] = ()) -> list[Method]:
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
         methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
@@ -387,7 +397,7 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
                 name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
                 methods.append(Method(name, "dflash", drafter, B, walk, label))
             for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
-                methods.append(Method(f"{label} B={B} ddtree {budget}", "ddtree", drafter, B, "greedy", label,
+                methods.append(Method(f"{label} B={B} ddtree {budget or 'auto'}", "ddtree", drafter, B, "greedy", label,
                                       tree_budget=budget))
     if classic:
         for B in block_sizes or [4]:

@@ -53,7 +53,7 @@ def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reu
         if not records:
             messages.pop()
             continue
-        result = summarize(records, drafter, kwargs.get("block_size"), kwargs.get("tree_budget"))
+        result = summarize(records, drafter, kwargs.get("block_size"))
         messages.append({"role": "assistant", "content": result.text})
         reused = f"{cache.reused} of {result.prompt_tokens} prompt tokens from the cache" if cache else "no cache"
         print(f"{_summary(result)} | TTFT {ttft * 1000:.0f} ms, {reused}", file=err, flush=True)

@@ -26,7 +26,7 @@ def _generate_parser(sub) -> None:
 
 def _add_model_args(p) -> None:
     """The target, the drafter and how they decode: what generate, serve and chat share."""
-    from dflash2_mlx.generate import DEFAULT_TREE_BUDGET, VERIFY_MODES
+    from dflash2_mlx.generate import VERIFY_MODES
 
     d = _generation_defaults()
     p.add_argument(
@@ -49,8 +49,9 @@ def _add_model_args(p) -> None:
         "(the baseline)",
     )
     p.add_argument("--tree-budget", type=int, metavar="N",
-                   help=f"ddtree mode: draft nodes per tree (default {DEFAULT_TREE_BUDGET}), built best-first from "
-                   "the drafter's lattice")
+                   help="ddtree mode: draft nodes per tree, built best-first from the drafter's lattice (default: the "
+                   "most nodes this machine verifies for at most 10%% more than the linear block, from its measured "
+                   "costs)")
     p.add_argument(
         "--path", choices=["greedy", "viterbi"],
         help=f"how a DFlash 2 drafter's path selector walks its candidates at T = 0 (default {d['walk']})",
@@ -477,8 +478,9 @@ def _bench_parser(sub) -> None:
                    help="instead of timing: teacher-forced tau of the linear path and of ddtree trees per budget, on "
                    "the held-out samples of this `dflash2 data` folder (greedy responses of this target)")
     p.add_argument("--tree-budgets",
-                   help="comma-separated tree budgets: a ddtree row per budget (at each block size), or the columns "
-                   "of --tree-sim (default there: 1,2,4,8,16,32)")
+                   help="comma-separated tree budgets: a ddtree row per budget (at each block size; 'auto': the "
+                   "default budget from this machine's costs), or the columns of --tree-sim (default there: "
+                   "1,2,4,8,16,32)")
     p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
     p.add_argument("--engines", metavar="LIST",
                    help="peer engines to add rows for, each in its own process with the same target, drafters and "
@@ -536,7 +538,7 @@ def _run_bench(args) -> int:
     if args.tree_sim:
         return _tree_sim(args, model, drafters)
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
-    budgets = tuple(int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
+    budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
     peers = Peers()
     try:

@@ -482,8 +482,7 @@ class Handler(BaseHTTPRequestHandler):
         if not records:
             return usage, {"cached_tokens": cached}
         worker = self.app.worker
-        result = summarize(records, worker.drafter, self.app.defaults.get("block_size"),
-                           self.app.defaults.get("tree_budget"))
+        result = summarize(records, worker.drafter, self.app.defaults.get("block_size"))
         stats = {"verify_mode": result.verify_mode, "tau": result.tau, "cycles": result.cycles,
                  "accepted": sum(result.accepted), "block_size": result.block_size,
                  "plain_tokens": result.plain_tokens, "draft_failures": result.draft_failures,

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class CostModel:
     """Seconds per cycle part on one machine: `verify_s[n - 1]` is a target forward over n tokens (n = 1 is
-    a plain decoding step), `draft_s[B - 2]` one drafter pass for a block of B."""
+    a plain decoding step), `draft_s[B - 2]` one drafter pass for a block of B. The verify curve may reach
+    past the largest block (a token tree verifies more tokens than its depth)."""
 
     verify_s: list[float]
     draft_s: list[float]
 
     @property
     def block_max(self) -> int:
-        return len(self.verify_s)
+        return len(self.draft_s) + 1
 
     def passes_s(self, B: int) -> float:
         """A cycle's two passes at block size B (B = 1: one plain step)."""
@@ -68,15 +70,28 @@ def _best_seconds(fn, repeats: int) -> float:
 MEASURE_CONTEXT_TOKENS = 64
 
 
+def verify_points(block_max: int, verify_max: int) -> list[int]:
+    """The forward sizes timed for a verify curve to `verify_max` tokens: every n up to block_max, then every
+    fourth and the last (the curve is smooth there; it is interpolated in between)."""
+    return sorted({*range(1, block_max + 1), *range(block_max + 4, verify_max, 4), verify_max})
+
+
+def _interpolate(points: list[int], seconds: list[float]) -> list[float]:
+    """seconds at every n in 1..points[-1], linear between the timed points."""
+    return [float(s) for s in np.interp(np.arange(1, points[-1] + 1), points, seconds)]
+
+
 def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE_CONTEXT_TOKENS,
-                  repeats: int = 5) -> CostModel:
-    """Time the target's forward over 1..block_max tokens and the drafter's pass, after a prefill of
-    `context_tokens` tokens (each the best of `repeats`; a few dozen forwards in all). A forward over more
-    tokens never costs less than one over fewer: timing noise that says otherwise is flattened out."""
+                  repeats: int = 5, verify_max: int | None = None) -> CostModel:
+    """Time the target's forward over 1..verify_max tokens (default block_max) and the drafter's pass up to
+    block_max, after a prefill of `context_tokens` tokens (each the best of `repeats`; a few dozen forwards in
+    all). A forward over more tokens never costs less than one over fewer: timing noise that says otherwise is
+    flattened out."""
     from .sampling import SamplingParams
 
+    verify_max = max(block_max, verify_max or block_max)
     vocab, mask = target.vocab_size, drafter.config.mask_token_id
-    tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + block_max)], mx.uint32)
+    tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + verify_max)], mx.uint32)
     cache = target.make_cache()
     with target.capture() as tap:
         _, context = tap.prefill(tokens[:context_tokens], cache)
@@ -95,8 +110,9 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
             block = mx.concatenate([tokens[context_tokens : context_tokens + 1], mx.full((B - 1,), mask, mx.uint32)])
             mx.eval(drafter.propose(block[None], context[None], drafter.make_cache(), SamplingParams()).tokens)
 
-        verify_s = list(itertools.accumulate((_best_seconds(lambda: verify(n), repeats)
-                                              for n in range(1, block_max + 1)), max))
+        points = verify_points(block_max, verify_max)
+        verify_s = _interpolate(points, list(itertools.accumulate((_best_seconds(lambda: verify(n), repeats)
+                                                                   for n in points), max)))
         # The drafter's pass grows little with B: measure its ends, interpolate between them.
         ends = list(itertools.accumulate((_best_seconds(lambda: draft(B), repeats) for B in sorted({2, block_max})), max))
     lo, hi = ends[0], ends[-1]
@@ -111,7 +127,7 @@ def _cache_file() -> Path:
     return Path(os.environ.get("DFLASH2_COSTS") or cache_dir() / "costs.json")
 
 
-def cost_key(target, drafter, block_max: int) -> str:
+def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> str:
     """What the costs depend on: the target and its dtype, the drafter's size and dtype, the machine."""
     from .kernels import kernels_backend
     from .runtime import blas
@@ -123,7 +139,8 @@ def cost_key(target, drafter, block_max: int) -> str:
         fingerprint(target), str(weight.dtype), target.model_type, str(target.num_layers),
         f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} "
         f"{'dflash2' if cfg.is_dflash2 else 'v1'}",
-        f"B<={block_max}", platform.machine(), platform.processor() or "", str(os.cpu_count()),
+        f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),
+        platform.machine(), platform.processor() or "", str(os.cpu_count()),
         "metal" if mx.metal.is_available() else "cpu", blas(), kernels_backend(), mx.__version__,
     ]
     return " | ".join(parts)
@@ -143,14 +160,15 @@ def _write_costs(path: Path, known: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_or_measure_costs(target, drafter, block_max: int) -> CostModel:
-    """The cached cost model of this target, drafter and machine, measured (and cached) if missing."""
-    key, path = cost_key(target, drafter, block_max), _cache_file()
+def load_or_measure_costs(target, drafter, block_max: int, verify_max: int | None = None) -> CostModel:
+    """The cached cost model of this target, drafter and machine (blocks up to block_max, the verify curve
+    up to verify_max tokens), measured (and cached) if missing."""
+    key, path = cost_key(target, drafter, block_max, verify_max), _cache_file()
     known = _read_costs(path)
     if key in known:
         return CostModel(**known[key])
     logger.info("measuring this machine's cycle costs for %s (once; cached in %s)", target.model_type, path)
-    costs = measure_costs(target, drafter, block_max)
+    costs = measure_costs(target, drafter, block_max, verify_max=verify_max)
     _write_costs(path, {**known, key: asdict(costs)})
     return costs
 

@@ -15,6 +15,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure_costs
+from .tree import TREE_BUDGET_MAX, default_budget
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
@@ -23,7 +24,6 @@ from .sampling import SamplingParams
 from .target import Target
 
 VERIFY_MODES = ("adaptive", "dflash", "ddtree", "off")
-DEFAULT_TREE_BUDGET = 16  # draft nodes per tree (the budget of the published DDTree numbers)
 
 
 @dataclass
@@ -40,6 +40,7 @@ class GenerationResponse:
     verify_mode: str = "adaptive"  # what actually ran: "off" also when the prompt exceeded max_context
     draft_failed: bool = False  # non-finite draft logits: this cycle committed one plain-decoding token
     block_size: int | None = None  # this cycle's block size; 1 for a plain step chosen by adaptive mode
+    tree_budget: int | None = None  # ddtree: draft nodes per tree (given, or chosen from the measured costs)
 
 
 @dataclass
@@ -144,8 +145,10 @@ def stream_generate(
     the distribution mlx-lm's own sampler draws from the target, speculative or not.
 
     walk: how a DFlash 2 drafter's path selector picks drafts at T = 0 ("greedy" or "viterbi").
-    tree_budget: "ddtree" verifies a tree of up to this many draft nodes (default 16), at most block_size - 1
-    deep (default: the drafter's trained size), built best-first from the drafter's lattice (`tree.py`).
+    tree_budget: "ddtree" verifies a tree of up to this many draft nodes, at most block_size - 1 deep (default:
+    the drafter's trained size), built best-first from the drafter's lattice (`tree.py`); left unset, the most
+    nodes this machine verifies for at most 10% more than the linear block (`tree.default_budget`, from the
+    measured and cached costs).
     max_context: prompts of at least this many tokens run plain decoding (oMLX's `dflash_max_ctx`);
     the records then say verify_mode "off".
     prompt_cache: a `PromptCache` passed to consecutive generations (a multi-turn chat): each reuses the
@@ -158,8 +161,7 @@ def stream_generate(
     if tree_budget is not None and verify_mode != "ddtree":
         raise ValueError(f"tree_budget (--tree-budget) applies to verify mode 'ddtree', not {verify_mode!r}")
     if verify_mode == "ddtree":
-        tree_budget = DEFAULT_TREE_BUDGET if tree_budget is None else tree_budget
-        if not isinstance(tree_budget, int) or tree_budget < 1:
+        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
             raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per tree), got {tree_budget!r}")
         if walk != "greedy":
             raise ValueError(f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
@@ -183,8 +185,11 @@ def stream_generate(
             f"({target.vocab_size}): was it encoded with another model's tokenizer?"
         )
     if verify_mode == "ddtree":
-        steps = tree_steps(target, drafter, prompt, params, resolve_block_size(drafter, block_size, verify_mode),
-                           tree_budget, max_tokens, prefill_step_size, prompt_cache)
+        B = resolve_block_size(drafter, block_size, verify_mode)
+        if tree_budget is None:
+            tree_budget = default_budget(load_or_measure_costs(target, drafter, B, TREE_BUDGET_MAX + 1), B)
+        steps = tree_steps(target, drafter, prompt, params, B, tree_budget, max_tokens, prefill_step_size,
+                           prompt_cache)
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
@@ -227,6 +232,7 @@ def stream_generate(
                     verify_mode=verify_mode,
                     draft_failed=draft_failed,
                     block_size=step_block,
+                    tree_budget=tree_budget if verify_mode == "ddtree" else None,
                 )
                 if finish:
                     return
@@ -259,15 +265,14 @@ def generate(
             print(last.text, end="", flush=True)
     if verbose:
         print(flush=True)
-    return summarize(records, drafter, kwargs.get("block_size"), kwargs.get("tree_budget"))
+    return summarize(records, drafter, kwargs.get("block_size"))
 
 
 def summarize(
     records: Sequence[GenerationResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
-    tree_budget: int | None = None,
 ) -> GenerationResult:
     """The `GenerationResult` of a generation's records (all of them, or those read before it was stopped);
-    `drafter`, `block_size` and `tree_budget` as given to `stream_generate`."""
+    `drafter` and `block_size` as given to `stream_generate`."""
     text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
     block_sizes, plain_tokens = Counter(), 0
     for r in records:
@@ -292,7 +297,7 @@ def summarize(
         finish_reason=last.finish_reason,
         verify_mode=last.verify_mode,
         block_size=resolve_block_size(drafter, block_size, last.verify_mode) if speculative else None,
-        tree_budget=(tree_budget or DEFAULT_TREE_BUDGET) if last.verify_mode == "ddtree" else None,
+        tree_budget=last.tree_budget,
         draft_failures=failures,
         block_sizes=dict(sorted(block_sizes.items())),
         plain_tokens=plain_tokens,

@@ -35,6 +35,12 @@ from .sampling import SamplingParams, sample
 from .selector import Lattice
 
 V1_TOP_K = 8  # candidates per row for v1 drafters (DFlash 2 drafters use their selector's top-k)
+# The default budget: the most draft nodes (at most TREE_BUDGET_MAX) whose cycle costs at most TREE_COST_SLACK
+# more than the linear cycle at the same block size. Trees of 16 nodes raised teacher-forced tau 18-22% over
+# the linear path for the weak bundled drafters (runs/smollm2/tree-sim.md) and far more for trained ones, so
+# a 10% dearer cycle is repaid; where the verify curve is flat (Apple silicon) the whole 32 nodes are.
+TREE_BUDGET_MAX = 32
+TREE_COST_SLACK = 0.10
 
 
 class Tree(NamedTuple):
@@ -72,6 +78,18 @@ def accept_tree(tree: Tree, target_logits: mx.array, params: SamplingParams) -> 
     """(accepted path as node indices, anchor first; bonus token) from the verify rows [N+1, V] of `tree`:
     the target's choice at every node (one read), then `Tree.walk`. Exact at T > 0 (see the module note)."""
     return tree.walk(sample(target_logits, params).tolist())
+
+
+def default_budget(costs, block_size: int) -> int:
+    """The default `--tree-budget` from this machine's measured costs (`adaptive.CostModel`, its verify curve
+    reaching TREE_BUDGET_MAX + 1 tokens): the most draft nodes n whose cycle, drafter pass + target pass over
+    the anchor and n nodes, costs at most (1 + TREE_COST_SLACK) x the linear cycle at block_size, and never
+    fewer than the linear cycle's block_size - 1 drafts."""
+    limit = (1 + TREE_COST_SLACK) * costs.passes_s(block_size)
+    draft = costs.draft_s[block_size - 2]
+    top = min(TREE_BUDGET_MAX, len(costs.verify_s) - 1)
+    return max((n for n in range(block_size - 1, top + 1) if draft + costs.verify_s[n] <= limit),
+               default=block_size - 1)
 
 
 def build_tree(anchor: int, candidates: np.ndarray, logq: np.ndarray, budget: int) -> Tree:

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_oracle, make_target
 from test_decode import prompts, run
@@ -166,10 +167,30 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch, tokenizer):
     assert all(s > 0 for s in costs.verify_s + costs.draft_s)
     stored = json.loads((tmp_path / "costs.json").read_text())
     assert list(stored.values()) == [{"verify_s": costs.verify_s, "draft_s": costs.draft_s}]
-    monkeypatch.setattr(adaptive, "measure_costs", lambda *a: pytest.fail("measured twice"))
+    monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: pytest.fail("measured twice"))
     assert load_or_measure_costs(target, drafter, 4) == costs
     with pytest.raises(pytest.fail.Exception, match="measured twice"):
         load_or_measure_costs(target, drafter, 3)  # another block range is another measurement
+
+
+def test_a_tree_verify_curve_reaches_past_the_block(tmp_path, monkeypatch):
+    """ddtree's costs: the drafter up to the block, the verify curve to 33 tokens (timed at 1..B, every fourth
+    and the last, linear in between), cached apart from adaptive mode's."""
+    monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
+    assert adaptive.verify_points(4, 33) == [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 33]
+    model = make_target("qwen3", seed=1)
+    drafter = make_drafter(model, block_size=4)
+    target = bind_drafter(drafter, model)
+    timed = []
+    monkeypatch.setattr(adaptive, "_best_seconds", lambda fn, repeats: fn() or timed.append(1) or 0.01 * len(timed))
+    costs = load_or_measure_costs(target, drafter, 4, 33)
+    assert len(costs.verify_s) == 33 and len(costs.draft_s) == 3 and costs.block_max == 4
+    # timed values 0.01 * k at the k-th point: check the interpolation against NumPy's
+    points = adaptive.verify_points(4, 33)
+    expected = np.interp(np.arange(1, 34), points, [0.01 * (k + 1) for k in range(len(points))])
+    assert np.allclose(costs.verify_s, expected)
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
+    assert load_or_measure_costs(target, drafter, 4).verify_s != costs.verify_s  # adaptive's own entry
 
 
 
@@ -195,6 +216,6 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert (key not in kept) == stale and "another machine" in kept
     if stale:
-        monkeypatch.setattr(adaptive, "measure_costs", lambda *a: costs)
+        monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: costs)
         load_or_measure_costs(bind_drafter(drafter, model), drafter, 4)
         assert key in json.loads((tmp_path / "costs.json").read_text())

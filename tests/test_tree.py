@@ -3,6 +3,7 @@ the brute-force most likely prefixes, greedy output is plain decoding's, and at 
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 from collections import Counter
@@ -16,10 +17,13 @@ from test_sampling import N, N_BROKEN, PROMPT, SETTINGS, V, chi_square, exact_di
 
 import dflash2_mlx.decode as decode
 from dflash2_mlx import generate
+from dflash2_mlx.adaptive import CostModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import probabilities
 from dflash2_mlx.target import Target
-from dflash2_mlx.tree import Tree, build_tree, keep_path_first, tree_attention
+from dflash2_mlx.tree import Tree, build_tree, default_budget, keep_path_first, tree_attention
+
+generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
 
 BUDGETS = (1, 4, 16, 32)
 
@@ -293,8 +297,52 @@ def test_cli_ddtree(tiny_pair, capsys):
     tree = json.loads(capsys.readouterr().out)
     assert tree["tokens"] == plain["tokens"] and tree["verify_mode"] == "ddtree"
     assert tree["tree_budget"] == 4 and tree["block_size"] == 8 and tree["cycles"] > 0
-    assert main(common + ["--draft-model", str(drafter), "--verify-mode", "ddtree"]) == 0
-    assert "[ddtree B<=8 budget 16]" in capsys.readouterr().err
+    assert main(common + ["--json", "--draft-model", str(drafter), "--verify-mode", "ddtree"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["tokens"] == plain["tokens"] and 7 <= default["tree_budget"] <= 32  # from the measured costs
+
+
+# -- the default budget: the cost model's rule ------------------------------------------------------------------
+
+
+def curve(verify_ms: list[float], draft_ms: float = 10.0, B: int = 8) -> CostModel:
+    return CostModel([v / 1000 for v in verify_ms], [draft_ms / 1000] * (B - 1))
+
+
+@pytest.mark.parametrize("verify_ms, budget", [
+    ([100.0] * 33, 32),  # a flat curve (Apple silicon, small targets): the whole 32 nodes
+    ([100.0 + 10 * n for n in range(33)], 8),  # each token 10% of a step: one node past the linear block's 7
+    ([100.0 + 40 * n for n in range(33)], 7),  # each token 40% of a step: nothing past the linear block's 7
+    # linear cycle = 10 + 170 ms, limit 198: 13 tokens (12 nodes) cost 10 + 185, 14 tokens 10 + 200
+    ([100.0 + 10 * n for n in range(8)] + [185.0] * 5 + [200.0] * 20, 12),
+    ([100.0] * 8, 7),  # a curve measured only to the block: no tree larger than the linear block
+])
+def test_default_budget_is_the_most_nodes_within_the_slack(verify_ms, budget):
+    assert default_budget(curve(verify_ms), 8) == budget
+    # brute force of the rule: most n with draft + verify(n + 1 tokens) <= 1.1 x (draft + verify(8 tokens))
+    limit = 1.1 * (10.0 + verify_ms[7])
+    assert budget == max([7] + [n for n in range(7, min(33, len(verify_ms))) if 10.0 + verify_ms[n] <= limit + 1e-9])
+
+
+def test_ddtree_without_a_budget_takes_the_cost_models(tokenizer, monkeypatch):
+    """Left unset, the budget is `default_budget` of the costs measured for block B with the verify curve to
+    33 tokens; the trees then never exceed it, and the output is still plain decoding's."""
+    model = make_target("qwen3", seed=4)
+    drafter = make_dflash2_drafter(model, block_size=6, seed=4)
+    asked = []
+
+    def costs(target, d, B, verify_max=None):
+        asked.append((B, verify_max))
+        return curve([100.0 + 5 * n for n in range(6)] + [130.0] * 4 + [400.0] * 23, B=6)  # 9 nodes fit
+
+    monkeypatch.setattr(generate_module, "load_or_measure_costs", costs)
+    sizes = []
+    build = decode.build_tree
+    monkeypatch.setattr(decode, "build_tree", lambda *a: sizes.append(a[-1]) or build(*a))
+    prompt = prompts(1, seed=4)[0]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=30, eos_token_ids=[])
+    r = generate(model, tokenizer, prompt, drafter, verify_mode="ddtree", max_tokens=30, eos_token_ids=[])
+    assert asked == [(6, 33)] and r.tree_budget == 9 and set(sizes) == {9} and r.tokens == plain
 
 
 # -- teacher-forced simulation --------------------------------------------------------------------------------
@@ -342,11 +390,18 @@ def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
 
     target, drafter = tiny_pair
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--tree-budgets", "2,8", "--json", str(tmp_path / "b.json")]) == 0
-    rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
-    for budget in (2, 8):
+                 "--tree-budgets", "2,8,auto", "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    for budget in (2, 8, "auto"):
         row = rows[f"drafter B=4 ddtree {budget}"]
         assert row["kind"] == "ddtree" and row["lossless"] is True and row["cycles"] > 0
+    # the auto row's cost curve: verify to 33 tokens, and the budget the rule picks from it
+    tree_curve = next(c for c in report["costs"] if c["tree_budget"] is not None)
+    steps = tree_curve["verify_steps"]
+    assert len(steps) == 33 and tree_curve["block_size"] == 4
+    assert tree_curve["tree_budget"] == default_budget(CostModel(steps, tree_curve["draft_steps"]), 4)
+    assert "default tree budget at B=4" in capsys.readouterr().out
     # the simulation reads the held-out split of a data folder: greedy responses of this target
     model, _ = load_model(target)
     prompt = [3, 9, 4, 1, 7]
