@@ -94,6 +94,23 @@ def test_training_blocks_equal_decoding(target, kind):
         np.testing.assert_allclose(got[n], np.array(expected[0]), atol=1e-4, rtol=1e-4)
 
 
+def test_decoding_reads_the_current_weights(target):
+    """Decoding runs compiled halves of each layer: weights replaced after the first call (an optimizer step
+    before an eval, a checkpoint loaded) must be the ones used, as the uncompiled training path uses them."""
+    drafter = make_dflash2_drafter(target, block_size=4)
+    ctx = mx.random.normal((1, 6, 2 * 64), key=mx.random.key(4))
+    block = mx.array([[10, 255, 255, 255]])
+    before = np.array(drafter.hidden(block, ctx, drafter.make_cache()))
+    layer = drafter.layers[-1]
+    layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 3.0
+    layer.mlp_conv.kernel_projection.weight = mx.random.normal(layer.mlp_conv.kernel_projection.weight.shape,
+                                                               key=mx.random.key(5)) * 0.1
+    after = np.array(drafter.hidden(block, ctx, drafter.make_cache()))
+    training = np.array(drafter.hidden(block, ctx, None, TrainingBlocks(mx.array([[6]]))))
+    assert not np.allclose(after, before, atol=1e-3)
+    np.testing.assert_allclose(after, training, atol=1e-4, rtol=1e-4)
+
+
 def test_logit_transform(target):
     drafter = make_drafter(target, output_multiplier=0.5, final_logit_softcapping=3.0)
     h = mx.random.normal((1, 3, 64), key=mx.random.key(1))
