@@ -15,13 +15,13 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure_costs
-from .tree import TREE_BUDGET_MAX, default_budget
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .target import Target
+from .tree import TREE_BUDGET_MAX, default_budget
 
 VERIFY_MODES = ("adaptive", "dflash", "ddtree", "off")
 
