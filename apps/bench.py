@@ -3,7 +3,8 @@
 Methods: mlx-lm's own generation (the baseline users know), plain decoding through our loop, mlx-lm's
 classic speculative decoding (with --baseline-draft-model), each DFlash drafter at each block size
 (DFlash 2 with both walks), and peer engines with the same drafters (`peers.py`, each in its own process).
-Trials interleave the methods so drift on a shared machine hits them alike.
+Trials interleave the methods, in alternating order (A B C, then C B A: the ABBA design), so drift on a
+shared machine hits them alike: over a pair of trials a linear drift adds the same to every method's time.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
 """
 
@@ -253,7 +254,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 attempt(m, run_method, model, tokenizer, prompts[0], min(max_tokens, 16), temp, classic_draft)
                 bar.advance(task)
             for trial in range(1, trials + 1):
-                for m in methods:
+                for m in methods if trial % 2 else methods[::-1]:  # ABBA: see the module's docstring
                     mx.random.seed(trial)
                     runs[m.name].append(
                         [attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])

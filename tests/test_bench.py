@@ -96,6 +96,24 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     assert "NO (mismatch)" in capsys.readouterr().out
 
 
+def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypatch):
+    """A B C, then C B A: a drift across a trial pair costs every method the same (ABBA)."""
+    import dflash2_apps.bench as bench
+
+    target, drafter = tiny_pair
+    calls, run_method = [], bench.run_method
+
+    def recorded(method, *args):
+        calls.append(method.name)
+        return run_method(method, *args)
+
+    monkeypatch.setattr(bench, "run_method", recorded)
+    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--block-sizes", "4", "--trials", "3",
+                 "--num-prompts", "1", "--max-tokens", "8", "--prompts", "math"]) == 0
+    order = ["mlx-lm", "plain", "drafter adaptive", "drafter B=4"]
+    assert calls == order + order + order[::-1] + order  # warm-up, then trials 1, 2, 3
+
+
 def test_prompt_suites(tmp_path):
     assert len(load_suite("math")) >= 16 and len(load_suite("code")) == 164
     chat = load_suite("chat", limit=5)
