@@ -395,6 +395,9 @@ TRAIN_FLAGS = {
                     "--block-size/--layers)"),
     "--distill": ("distill", float, "weight of the loss to the target's top-8 next-token distribution (cached "
                   "with the features); 0 = hard labels only"),
+    "--draft-vocab": ("draft_vocab", int, "train and draft over the N most frequent tokens of the training "
+                      "responses (the drafter's draft vocabulary: a smaller LM head in every training step and "
+                      "draft; the loss skips drafts of rarer tokens); default: every token of the training data"),
     "--time-budget": ("time_budget", float, "minutes of wall time for this run: it stops there with a checkpoint, "
                       "and rerunning the command continues"),
 }

@@ -60,6 +60,11 @@ def token_counts(folder: str | Path, vocab_size: int | None = None) -> np.ndarra
     samples = read_shards(folder, heldout=False)
     if not samples:
         raise FileNotFoundError(f"{folder} holds no `dflash2 data` training samples to count tokens in")
+    return response_counts(samples, vocab_size)
+
+
+def response_counts(samples, vocab_size: int | None = None) -> np.ndarray:
+    """How often each token id occurs in the responses of `samples` (`train.data.Sample`s)."""
     responses = np.concatenate([s.tokens[s.prompt_len :] for s in samples])
     return np.bincount(responses, minlength=vocab_size or 0)
 

@@ -273,6 +273,34 @@ def test_reduced_vocabulary_loss(train_data):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_path, train_data, tokenizer):
+    """--draft-vocab N: the loss's softmax and the drafts over the N most frequent tokens of the training
+    responses (ties: lower ids), which the exported drafter carries as its draft vocabulary."""
+    from collections import Counter
+
+    from dflash2_mlx.train.trainer import write_card
+    from dflash2_mlx.vocab import read_draft_vocab
+
+    model, folder = train_data
+    counts = Counter(t for s in read_shards(folder, heldout=False) for t in s.tokens[s.prompt_len:].tolist())
+    expected = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:20])
+    assert len(counts) > 20  # some response tokens are left out
+    trainer = Trainer(model, tmp_path / "run", settings(folder, "dflash2", 4, draft_vocab=20))
+    assert trainer.drafter.draft_vocab.tolist() == expected and np.array(trainer.vocab).tolist() == expected
+    trainer.run(progress=False)
+    assert all(np.isfinite(e["loss"]) for e in trainer.log)
+    folder_out = trainer.export(tmp_path / "drafter")
+    write_card(folder_out, trainer, "tiny")
+    assert read_draft_vocab(folder_out).tolist() == expected
+    assert json.loads((folder_out / "card.json").read_text())["draft_vocab"] == 20
+    assert "draft vocabulary: 20 tokens, the most frequent of the training responses" in (folder_out / "README.md").read_text()
+    drafter = load_drafter(str(folder_out))
+    prompt = [7, 8, 9, 10]
+    plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=16, eos_token_ids=[])
+    assert generate(model, tokenizer, prompt, drafter, verify_mode="dflash", max_tokens=16,
+                    eos_token_ids=[]).tokens == plain.tokens
+
+
 def test_init_from_a_drafter_folder(tmp_path, train_data):
     """Training can start from a drafter folder (fine-tuning a published drafter, or a later session
     continuing a bundled one): its shape wins over the settings, and step 0 drafts exactly as it does."""

@@ -31,7 +31,7 @@ from ..drafter import DFlashDraftModel, TrainingBlocks
 from ..loading import bind_drafter, resolve_path
 from ..sampling import SamplingParams
 from ..target import Target
-from ..vocab import COUNTS_FILE, token_counts, write_draft_vocab
+from ..vocab import COUNTS_FILE, most_frequent, response_counts, token_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
 from .features import TEACHER_TOP_K, FeatureCache
 
@@ -60,6 +60,7 @@ class TrainSettings:
     eval_samples: int = 40
     cache_features: bool = True  # the target's features computed once, kept in the data folder
     reduced_vocabulary: bool = True  # the loss's softmax over the tokens of the training data only
+    draft_vocab: int | None = None  # train (and draft) over the N most frequent tokens of the training responses
     init_from: str | None = None  # a drafter folder to start from (its config fixes the drafter's shape;
     # a v1 folder with architecture "dflash2" warm-starts a DFlash 2 drafter: its DFlash 2 modules start as identity)
     init_from_target: bool = False  # the drafter's layers and final norm start as the target's last layers
@@ -271,10 +272,13 @@ class Trainer:
         if config.is_dflash2:
             _identity_selector(self.drafter)
         B = settings.block_size
-        ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
+        if settings.draft_vocab:  # the loss ignores drafts of the rarer tokens: never drafted, never trained
+            ids = most_frequent(response_counts(self.train_samples), settings.draft_vocab, config.vocab_size)
+        else:
+            ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
         # Trained over its training vocabulary, the drafter drafts over the same one (its draft vocabulary): a
         # token the loss never pushed down could otherwise win a draft.
-        self.drafter.draft_vocab = ids if settings.reduced_vocabulary else None
+        self.drafter.draft_vocab = ids if settings.reduced_vocabulary or settings.draft_vocab else None
         bind_drafter(self.drafter, model)
         index = np.full(config.vocab_size, -1, np.int32)
         index[ids] = np.arange(len(ids))
@@ -562,6 +566,7 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
+        "draft_vocab": None if trainer.drafter.draft_vocab is None else len(trainer.drafter.draft_vocab),
     }
     (folder / "card.json").write_text(json.dumps(card, indent=2))
     lines = [
@@ -572,6 +577,10 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"- {trainer.step} steps of {trainer.settings.sequences_per_step} sequences x "
         f"{trainer.settings.anchors_per_sequence} anchors, block {trainer.settings.block_size}, "
         f"{trainer.settings.layers} layer(s), {card['parameters']:,} parameters",
+        "- draft vocabulary: " + ("the whole vocabulary" if card["draft_vocab"] is None else
+                                  f"{card['draft_vocab']} tokens, the most frequent of the training responses"
+                                  if trainer.settings.draft_vocab else
+                                  f"{card['draft_vocab']} tokens, every token of the training data"),
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}",
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
