@@ -31,7 +31,7 @@ from ..drafter import DFlashDraftModel, TrainingBlocks
 from ..loading import bind_drafter, resolve_path
 from ..sampling import SamplingParams
 from ..target import Target
-from ..vocab import COUNTS_FILE, most_frequent, response_counts, token_counts, write_draft_vocab
+from ..vocab import COUNTS_FILE, most_frequent, response_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
 from .features import TEACHER_TOP_K, FeatureCache
 
@@ -275,7 +275,8 @@ class Trainer:
         if settings.draft_vocab:  # the loss ignores drafts of the rarer tokens: never drafted, never trained
             ids = most_frequent(response_counts(self.train_samples), settings.draft_vocab, config.vocab_size)
         else:
-            ids = training_vocabulary(self.train_samples) if settings.reduced_vocabulary else np.arange(config.vocab_size)
+            reduced = settings.reduced_vocabulary
+            ids = training_vocabulary(self.train_samples) if reduced else np.arange(config.vocab_size)
         # Trained over its training vocabulary, the drafter drafts over the same one (its draft vocabulary): a
         # token the loss never pushed down could otherwise win a draft.
         self.drafter.draft_vocab = ids if settings.reduced_vocabulary or settings.draft_vocab else None
@@ -500,7 +501,7 @@ class Trainer:
         write_weights(folder, hf_names(weights, self.drafter.config))
         if self.drafter.draft_vocab is not None:
             write_draft_vocab(folder, self.drafter.draft_vocab)
-        np.save(folder / COUNTS_FILE, token_counts(self.settings.data, self.drafter.config.vocab_size))
+        np.save(folder / COUNTS_FILE, response_counts(self.train_samples, self.drafter.config.vocab_size))
         return folder
 
 
@@ -547,6 +548,14 @@ def run_seconds(log: list[dict]) -> list[float]:
     return runs
 
 
+def _draft_vocab_words(trainer: Trainer, size: int | None) -> str:
+    if size is None:
+        return "the whole vocabulary"
+    if trainer.settings.draft_vocab:
+        return f"{size} tokens, the most frequent of the training responses"
+    return f"{size} tokens, every token of the training data"
+
+
 def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
     """A short training card next to the drafter: data, steps, time, held-out acceptance."""
     folder = Path(folder)
@@ -577,10 +586,7 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"- {trainer.step} steps of {trainer.settings.sequences_per_step} sequences x "
         f"{trainer.settings.anchors_per_sequence} anchors, block {trainer.settings.block_size}, "
         f"{trainer.settings.layers} layer(s), {card['parameters']:,} parameters",
-        "- draft vocabulary: " + ("the whole vocabulary" if card["draft_vocab"] is None else
-                                  f"{card['draft_vocab']} tokens, the most frequent of the training responses"
-                                  if trainer.settings.draft_vocab else
-                                  f"{card['draft_vocab']} tokens, every token of the training data"),
+        f"- draft vocabulary: {_draft_vocab_words(trainer, card['draft_vocab'])}",
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}",
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
