@@ -344,7 +344,7 @@ def test_a_request_past_its_timeout_is_stopped(tiny_pair, tiny_dflash2, monkeypa
 
 def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflash2):
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path]), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", str(tiny_pair[0]), "--draft-model",
          str(tiny_dflash2), "--port", "0"], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
@@ -361,7 +361,13 @@ def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflas
         status, _, body = request(port, "POST", "/v1/chat/completions", {"messages": GOOD, "max_tokens": 3})
         assert status == 200 and body["dflash"]["verify_mode"] == "adaptive"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(TIMEOUT) == 130
+        try:
+            code = proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:  # say where it is stuck: faulthandler prints every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=TIMEOUT)
+            pytest.fail(f"`dflash2 serve` did not stop within {TIMEOUT} s of SIGINT; its threads:\n{err[-8000:]}")
+        assert code == 130
     finally:
         if proc.poll() is None:
             proc.kill()
