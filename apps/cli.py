@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -233,9 +234,6 @@ def build_server(args):
 
 
 def _run_serve(args) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="[dflash2] %(message)s")
     app, server = build_server(args)
     host, port = server.server_address[:2]
     mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
@@ -663,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
 
         restart_with_openblas(["-m", "dflash2_apps.cli", *sys.argv[1:]])
     args = make_parser().parse_args(argv)
+    # the library's notices (logging, never print): a download, a measurement, a dtype it had to change
+    logging.basicConfig(level=logging.INFO, format="[dflash2] %(message)s")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

