@@ -531,3 +531,27 @@ def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tin
     assert state["step"] == 5 and [e["step"] for e in state["log"]] == [1, 2, 3, 4, 5]
     usage = subprocess.run(["bash", str(script), str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "usage: bash apps/train_budget.sh DATA OUT MINUTES" in usage.stderr
+
+
+def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path, train_data, monkeypatch):
+    """SIGINT during step 3 of 6: the run ends after that step with its checkpoint instead of raising (and
+    losing the steps since the last checkpoint); the handler is put back; a rerun continues to the end."""
+    import signal
+
+    model, folder = train_data
+    trainer = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100))
+    real_step = Trainer.train_step
+
+    def step_interrupted_at_3(self):
+        loss = real_step(self)
+        if self.step == 3:
+            signal.raise_signal(signal.SIGINT)
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", step_interrupted_at_3)
+    assert trainer.run(progress=False)["step"] == 3
+    assert json.loads((trainer.checkpoint / "state.json").read_text())["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    result = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100)).run(progress=False)
+    assert result["resumed"] and result["step"] == 6

@@ -12,9 +12,13 @@ compiled step. The batch of step t depends only on (seed, t), so a resumed run i
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import partial
 from typing import NamedTuple
@@ -34,6 +38,8 @@ from ..target import Target
 from ..vocab import COUNTS_FILE, most_frequent, response_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
 from .features import TEACHER_TOP_K, FeatureCache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -457,8 +463,9 @@ class Trainer:
         return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)))
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
-        """Train (from the last checkpoint, if any) to `settings.steps`, or stop early at step `until`
-        with a checkpoint. A longer --steps on resume stretches the cosine schedule's tail."""
+        """Train (from the last checkpoint, if any) to `settings.steps`, or stop early with a checkpoint: at
+        step `until`, at the time budget, or at the end of the step during which Ctrl-C was pressed.
+        A longer --steps on resume stretches the cosine schedule's tail."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         resumed = self.resume()
@@ -468,7 +475,7 @@ class Trainer:
         budget = None if s.time_budget is None else tic + 60 * s.time_budget
         with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("loss {task.fields[loss]:.3f}  tau {task.fields[tau]}"), TimeRemainingColumn(),
-                      disable=not progress) as bar:
+                      disable=not progress) as bar, interrupt_requested() as interrupted:
             task = bar.add_task("train", total=s.steps, completed=self.step, loss=float("nan"),
                                 tau=self.log[-1].get("tau", "-") if self.log else "-")
             while self.step < stop:
@@ -480,10 +487,10 @@ class Trainer:
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
-                out_of_time = budget is not None and time.perf_counter() > budget
-                if self.step % s.checkpoint_every == 0 or self.step == stop or out_of_time:
+                stopping = interrupted.is_set() or (budget is not None and time.perf_counter() > budget)
+                if self.step % s.checkpoint_every == 0 or self.step == stop or stopping:
                     self.save_checkpoint()
-                if out_of_time:
+                if stopping:
                     break
         return {"resumed": resumed, "step": self.step, "log": self.log}
 
@@ -503,6 +510,30 @@ class Trainer:
             write_draft_vocab(folder, self.drafter.draft_vocab)
         np.save(folder / COUNTS_FILE, response_counts(self.train_samples, self.drafter.config.vocab_size))
         return folder
+
+
+@contextmanager
+def interrupt_requested():
+    """An event that Ctrl-C (SIGINT) sets instead of raising, so that a training run stops at the end of its
+    step with a checkpoint, as at its time budget; a second Ctrl-C raises KeyboardInterrupt as usual. Signal
+    handlers belong to the main thread: elsewhere the event is never set."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        requested.set()
+        signal.signal(signal.SIGINT, previous)
+        logger.info("stopping after this step with a checkpoint (Ctrl-C again stops at once, losing the steps "
+                    "since the last checkpoint)")
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Evaluation(NamedTuple):
