@@ -291,9 +291,12 @@ def _convert_parser(sub) -> None:
                    help="weights dtype (drafters: default bfloat16; GGUF: default keeps quantized tensors)")
     p.add_argument("--force-float16", action="store_true", help="allow a float16 drafter (NaN-prone)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the drafter (mlx-lm format)")
-    p.add_argument("--q-bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
-    p.add_argument("--q-group-size", type=int, default=64, choices=[32, 64, 128])
-    p.add_argument("--activation-bits", type=int, default=16, choices=[16, 32],
+    from dflash2_mlx.checkpoints.quantize import DraftQuant
+
+    q = DraftQuant()
+    p.add_argument("--q-bits", type=int, default=q.bits, choices=[2, 3, 4, 5, 6, 8])
+    p.add_argument("--q-group-size", type=int, default=q.group_size, choices=[32, 64, 128])
+    p.add_argument("--activation-bits", type=int, default=q.activation_bits, choices=[16, 32],
                    help="compute dtype of the quantized drafter at run time: 16 = bfloat16, 32 = float32")
     _add_draft_vocab_args(p)
     p.set_defaults(run=_run_convert)
@@ -343,15 +346,18 @@ def _data_parser(sub) -> None:
         description="Format ShareGPT prompts with the target's chat template, regenerate the responses with the "
         "target (batched), and write resumable shards with a held-out split. Rerun the same command to resume.",
     )
+    from dflash2_mlx.train.data import DataSettings
+
+    d = DataSettings(target="")  # the flags' defaults
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--num-prompts", type=int, default=2000,
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="prompts to answer; rerunning with a larger number grows an existing folder")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy responses")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16,
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longer prompts are skipped")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temp", type=float, default=d.temperature, help="0 = greedy responses")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="responses decoded at once (continuous batching; may change between runs)")
     p.set_defaults(run=_run_data)
 
