@@ -549,9 +549,13 @@ def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path
         return loss
 
     monkeypatch.setattr(Trainer, "train_step", step_interrupted_at_3)
-    assert trainer.run(progress=False)["step"] == 3
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not so under nohup)
+    try:
+        assert trainer.run(progress=False)["step"] == 3
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert json.loads((trainer.checkpoint / "state.json").read_text())["step"] == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     monkeypatch.setattr(Trainer, "train_step", real_step)
     result = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100)).run(progress=False)
     assert result["resumed"] and result["step"] == 6
