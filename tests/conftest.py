@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 import mlx.core as mx
@@ -404,3 +405,13 @@ def smollm2(smollm2_path):
     from dflash2_mlx.loading import load_target
 
     return load_target(str(smollm2_path), dtype="float32")
+
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT handled as in a terminal (KeyboardInterrupt) for the test, whatever the suite was started with: a
+    suite started in the background (`nohup ... &`) ignores SIGINT, and its children would inherit that (exec
+    resets a handler to the default, but not "ignore")."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

@@ -342,18 +342,12 @@ def test_a_request_past_its_timeout_is_stopped(tiny_pair, tiny_dflash2, monkeypa
         assert counts == [2] and not captured(app)
 
 
-def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflash2):
+def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflash2, terminal_sigint):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path]), "PYTHONFAULTHANDLER": "1"}
-    # A suite started in the background (`nohup ... &`) ignores SIGINT, and a child inherits that: the server
-    # would never see the Ctrl-C under test. A handler (unlike "ignore") is reset to the default by exec.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", str(tiny_pair[0]), "--draft-model",
-             str(tiny_dflash2), "--port", "0"], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", str(tiny_pair[0]), "--draft-model",
+         str(tiny_dflash2), "--port", "0"], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
         deadline = time.monotonic() + TIMEOUT

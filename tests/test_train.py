@@ -533,7 +533,8 @@ def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tin
     assert usage.returncode == 2 and "usage: bash apps/train_budget.sh DATA OUT MINUTES" in usage.stderr
 
 
-def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path, train_data, monkeypatch):
+def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path, train_data, monkeypatch,
+                                                                     terminal_sigint):
     """SIGINT during step 3 of 6: the run ends after that step with its checkpoint instead of raising (and
     losing the steps since the last checkpoint); the handler is put back; a rerun continues to the end."""
     import signal
@@ -549,13 +550,22 @@ def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path
         return loss
 
     monkeypatch.setattr(Trainer, "train_step", step_interrupted_at_3)
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not so under nohup)
-    try:
-        assert trainer.run(progress=False)["step"] == 3
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-    finally:
-        signal.signal(signal.SIGINT, before)
+    assert trainer.run(progress=False)["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     assert json.loads((trainer.checkpoint / "state.json").read_text())["step"] == 3
     monkeypatch.setattr(Trainer, "train_step", real_step)
     result = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100)).run(progress=False)
     assert result["resumed"] and result["step"] == 6
+
+
+def test_a_training_run_that_ignores_ctrl_c_keeps_ignoring_it(terminal_sigint):
+    """Under `nohup ... &` SIGINT is ignored: training must not start answering it."""
+    import signal
+
+    from dflash2_mlx.train.trainer import interrupt_requested
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupt_requested() as requested:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.raise_signal(signal.SIGINT)
+    assert not requested.is_set() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN

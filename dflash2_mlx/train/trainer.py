@@ -516,12 +516,13 @@ class Trainer:
 def interrupt_requested():
     """An event that Ctrl-C (SIGINT) sets instead of raising, so that a training run stops at the end of its
     step with a checkpoint, as at its time budget; a second Ctrl-C raises KeyboardInterrupt as usual. Signal
-    handlers belong to the main thread: elsewhere the event is never set."""
+    handlers belong to the main thread: elsewhere the event is never set. A process that ignores SIGINT (started
+    with `nohup ... &`) keeps ignoring it."""
     requested = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield requested
         return
-    previous = signal.getsignal(signal.SIGINT)
 
     def handler(signum, frame):
         requested.set()
