@@ -187,7 +187,7 @@ def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monke
     model, folder = train_data
     samples = read_shards(folder, heldout=False)[:7]
     target = Target(model, (0, 2, 3))
-    cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=40)
+    cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=40, teacher=True)
     picked = [4, 0, 6]
     length = max(len(samples[i].tokens) for i in picked) + 3
     tokens = np.zeros((3, length), np.int32)
@@ -216,14 +216,47 @@ def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monke
 
     monkeypatch.setattr(Target, "teacher", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
+        FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40, teacher=True)
     counted = []
     monkeypatch.setattr(Target, "teacher", lambda self, t, k=0: counted.append(t.shape[0]) or real(self, t, k))
-    resumed = FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40)
+    resumed = FeatureCache(tmp_path / "cut", samples, target, max_batch_tokens=40, teacher=True)
     assert sum(counted) == len(samples) - calls[0]
     for shard, files in cache.shards.items():
         assert np.array_equal(np.asarray(resumed.shards[shard].features), np.asarray(files.features))
         assert np.array_equal(np.asarray(resumed.shards[shard].top_ids), np.asarray(files.top_ids))
+
+
+def test_feature_cache_fills_the_top_k_only_for_a_cache_that_asks_for_it(tmp_path, train_data, monkeypatch):
+    """Features alone for a run without distillation (the target's top-k cost a third of the fill); a later
+    distillation run computes the top-k of those samples, and a cache written before holds both."""
+    model, folder = train_data
+    samples = read_shards(folder, heldout=False)[:5]
+    target = Target(model, (0, 2, 3))
+    asked = []
+    real = Target.teacher
+    monkeypatch.setattr(Target, "teacher", lambda self, t, k=0: asked.append((t.shape[0], k)) or real(self, t, k))
+    plain = FeatureCache(tmp_path, samples, target)
+    assert {k for _, k in asked} == {0} and sum(n for n, _ in asked) == len(samples)
+    with pytest.raises(ValueError, match="teacher=True"):
+        plain.teacher_rows(0, np.arange(3))
+    features = {shard: np.array(files.features) for shard, files in plain.shards.items()}
+    asked.clear()
+    distill = FeatureCache(tmp_path, samples, target, teacher=True)
+    assert {k for _, k in asked} == {TEACHER_TOP_K} and sum(n for n, _ in asked) == len(samples)
+    for shard, files in distill.shards.items():
+        np.testing.assert_array_equal(np.array(files.features), features[shard])
+    ids, _ = distill.teacher_rows(2, np.arange(len(samples[2].tokens)))
+    logits = np.array(model(mx.array(samples[2].tokens[None]))[0])
+    assert (ids[:, 0] == logits.argmax(-1)).mean() > 0.99
+    asked.clear()
+    FeatureCache(tmp_path, samples, target, teacher=True)
+    FeatureCache(tmp_path, samples, target)
+    assert not asked  # nothing left to compute either way
+    # a cache written before top-k became optional lists only "done": its samples have both
+    for marks in distill.folder.glob("*.json"):
+        marks.write_text(json.dumps({"done": json.loads(marks.read_text())["done"]}))
+    FeatureCache(tmp_path, samples, target, teacher=True).teacher_rows(2, np.arange(3))
+    assert not asked
 
 
 def test_feature_cache_of_a_grown_data_folder_computes_only_the_new_shards(tmp_path, train_data, monkeypatch):

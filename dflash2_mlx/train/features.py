@@ -6,6 +6,9 @@ most of a step's time, and it is the same at every epoch. The cache sits in the 
 target and layer choice (`features-<fingerprint>/`), one set of files per data shard: a data folder that
 grows (`dflash2 data` with more prompts) only adds shards, and only those are computed. Filled sample by
 sample in batches of similar length; an interrupted fill resumes where it stopped.
+
+The top-k part is filled only for a cache that asks for it (`teacher=True`: distillation): on this CPU the
+full-vocabulary head, its log-sum-exp and top-k took a third of the fill's time, for rows most runs never read.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ class _ShardFiles:
 
     def __init__(self, folder: Path, shard: str, rows: int, width: int):
         self.done_path = folder / f"{shard}.json"
-        self.done = set(json.loads(self.done_path.read_text())["done"]) if self.done_path.exists() else set()
+        marks = json.loads(self.done_path.read_text()) if self.done_path.exists() else {"done": []}
+        self.done = set(marks["done"])  # samples whose features are computed
+        self.teacher_done = set(marks.get("teacher", marks["done"]))  # ... and their top-k (before: always both)
         self.maps = {}
         for name, dtype, cols in (("features", np.float16, width), (f"top{TEACHER_TOP_K}-ids", np.int32, TEACHER_TOP_K),
                                   (f"top{TEACHER_TOP_K}-logprobs", np.float16, TEACHER_TOP_K)):
@@ -63,23 +68,26 @@ class _ShardFiles:
     def top_logprobs(self) -> np.memmap:
         return self.maps[f"top{TEACHER_TOP_K}-logprobs"]
 
-    def mark_done(self, starts) -> None:
+    def mark_done(self, starts, teacher: bool) -> None:
         for m in self.maps.values():
             m.flush()
         self.done.update(starts)
+        if teacher:
+            self.teacher_done.update(starts)
         tmp = self.done_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"done": sorted(self.done)}))
+        tmp.write_text(json.dumps({"done": sorted(self.done), "teacher": sorted(self.teacher_done)}))
         tmp.replace(self.done_path)
 
 
 class FeatureCache:
-    """The target's features and top-k next tokens of `samples` (read with `read_shards`, which says where
-    each sample sits in its shard)."""
+    """The target's features of `samples` (read with `read_shards`, which says where each sample sits in its
+    shard) and, with `teacher`, its top-k next tokens at every row (`teacher_rows`)."""
 
-    def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096):
+    def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096,
+                 teacher: bool = False):
         if any(not s.shard for s in samples):
             raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
-        self.samples = samples
+        self.samples, self.teacher = samples, teacher
         self.width = len(target.layer_ids) * target.hidden_size
         self.folder = Path(folder) / f"features-{fingerprint(target)}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -91,7 +99,11 @@ class FeatureCache:
 
     def _fill(self, target: Target, max_batch_tokens: int) -> None:
         """Compute what is missing, shortest samples first, in batches of similar length."""
-        todo = sorted((s for s in self.samples if s.start not in self.shards[s.shard].done), key=lambda s: len(s.tokens))
+        def missing(s: Sample) -> bool:
+            files = self.shards[s.shard]
+            return s.start not in files.done or (self.teacher and s.start not in files.teacher_done)
+
+        todo = sorted(filter(missing, self.samples), key=lambda s: len(s.tokens))
         if not todo:
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -105,7 +117,7 @@ class FeatureCache:
                 batch = [s for s in batch if len(s.tokens) <= 2 * length] or batch[:1]
                 todo = todo[len(batch):]
                 tokens = mx.array(padded_tokens(batch, range(len(batch))))
-                features, ids, logprobs = target.teacher(tokens, TEACHER_TOP_K)
+                features, ids, logprobs = target.teacher(tokens, TEACHER_TOP_K if self.teacher else 0)
                 features = np.array(features.astype(mx.float32))
                 if not np.isfinite(features).all() or np.abs(features).max() > 6e4:
                     raise ValueError("target features overflow float16; train without the feature cache")
@@ -114,11 +126,12 @@ class FeatureCache:
                 for row, s in enumerate(batch):
                     n, files = len(s.tokens), self.shards[s.shard]
                     files.features[s.start : s.start + n] = features[row, :n]
-                    files.top_ids[s.start : s.start + n] = ids[row, :n]
-                    files.top_logprobs[s.start : s.start + n] = np.maximum(logprobs[row, :n], -6e4)
+                    if self.teacher:
+                        files.top_ids[s.start : s.start + n] = ids[row, :n]
+                        files.top_logprobs[s.start : s.start + n] = np.maximum(logprobs[row, :n], -6e4)
                     by_shard[s.shard].append(s.start)
                 for shard, starts in by_shard.items():
-                    self.shards[shard].mark_done(starts)
+                    self.shards[shard].mark_done(starts, self.teacher)
                 bar.update(task, advance=len(batch))
 
     def context(self, picked, length: int) -> mx.array:
@@ -133,6 +146,8 @@ class FeatureCache:
         """The target's top-k next-token ids [..., K] and log-probabilities at rows `rows` of one sample."""
         s = self.samples[sample]
         files = self.shards[s.shard]
+        if s.start not in files.teacher_done:
+            raise ValueError("this feature cache was filled without the target's top-k (FeatureCache(..., teacher=True))")
         return files.top_ids[s.start + rows], files.top_logprobs[s.start + rows].astype(np.float32)
 
     def row_sample(self, n: int) -> np.ndarray:

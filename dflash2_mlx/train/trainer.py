@@ -317,7 +317,8 @@ class Trainer:
         self._train_step = train_step
         self.caches = {}
         if settings.cache_features:
-            self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target),
+            self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target,
+                                                 teacher=bool(settings.distill)),
                            "heldout": FeatureCache(settings.data, self.heldout, self.target)}
         self.feature_scale = mx.array(self._feature_scale())
         if settings.init_from_target:
