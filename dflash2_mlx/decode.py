@@ -46,14 +46,13 @@ def plain_steps(
     with state.filling():
         cache, _, _, rest = state.start(target, None, prompt)
         logits = target.prefill(rest, cache, prefill_step_size)
-        token = sample(logits, params)
-        for n in itertools.count():
+        token, clear_at = sample(logits, params), 1
+        for produced in itertools.count(1):
             logits = target(token.reshape(1), cache)
             next_token = sample(logits[-1], params)
             mx.async_eval(next_token)
             yield state.commit(Step([token.item()]), [])
-            if n % CLEAR_EVERY == 0:
-                mx.clear_cache()
+            clear_at = _free_buffers(produced, clear_at)
             token = next_token
 
 
@@ -78,11 +77,9 @@ def dflash_steps(
         context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params)
         yield state.commit(Step([anchor.item()]), [context])
-        produced, tic, next_clear = 1, time.perf_counter(), 1
+        produced, tic, clear_at = 1, time.perf_counter(), 1
         while True:
-            if produced >= next_clear:
-                mx.clear_cache()
-                next_clear = produced + CLEAR_EVERY
+            clear_at = _free_buffers(produced, clear_at)
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             if B == 1:
                 run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
@@ -138,11 +135,9 @@ def tree_steps(
         context = context if seen is None else mx.concatenate([seen, context])
         anchor = sample(logits, params).item()
         yield state.commit(Step([anchor]), [context])
-        produced, blocks, next_clear = 1, FixedBlocks(block_size), 1
+        produced, blocks, clear_at = 1, FixedBlocks(block_size), 1
         while True:
-            if produced >= next_clear:
-                mx.clear_cache()
-                next_clear = produced + CLEAR_EVERY
+            clear_at = _free_buffers(produced, clear_at)
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             # Draft: one drafter pass over [anchor, mask * (B-1)], its rows read as a lattice, then a tree.
             block = mx.array([[anchor] + [mask_id] * (B - 1)])
@@ -163,6 +158,14 @@ def tree_steps(
             produced += len(path)
             yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B),
                                [context])
+
+
+def _free_buffers(produced: int, clear_at: int) -> int:
+    """Free MLX's cached buffers once `produced` tokens reach `clear_at`; returns the next count to clear at."""
+    if produced < clear_at:
+        return clear_at
+    mx.clear_cache()
+    return produced + CLEAR_EVERY
 
 
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):
