@@ -113,26 +113,32 @@ class Attention(nn.Module):
         return mx.arange(L)[None, :] <= rows if self.is_causal else mx.ones((L, L), dtype=mx.bool_)
 
     def _training_blocks(self, x: mx.array, ctx: mx.array, anchors: mx.array) -> mx.array:
-        """All A blocks of a sequence in one attention over [its context rows, its blocks], each block
-        row seeing the context before its anchor and its own block only: the context K/V are computed
-        once per sequence and never copied per block."""
+        """All A blocks of a sequence at once, each block row seeing the context before its anchor and its own
+        block only. One softmax over two score sets: every block's rows against its sequence's context rows
+        (the context K/V computed once per sequence, never copied per block) and each block against itself.
+        Scoring the blocks against each other and masking (A*L x A*L per sequence) would make a step's cost
+        grow with the square of the anchors."""
         S, A = anchors.shape
         N, L, _ = x.shape
-        q, k, v = self._block_qkv(x, anchors.reshape(N))  # [N, heads, L, hd]
-        per_seq = lambda t: t.reshape(S, A, t.shape[1], L, -1).transpose(0, 2, 1, 3, 4).reshape(S, t.shape[1], A * L, -1)  # noqa: E731
-        ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)))
-        ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
-        keys = mx.concatenate([ctx_k, per_seq(k)], axis=2)
-        values = mx.concatenate([ctx_v, per_seq(v)], axis=2)
+        kv, rep, hd = self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim
+        q, k, v = self._block_qkv(x, anchors.reshape(N))  # [N, heads, L, hd], [N, kv, L, hd] x 2
+        q = q.reshape(N, kv, rep, L, hd) * self.scale  # query head h reads key head h // rep
+        ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), kv)))[:, :, None]  # [S, kv, 1, C, hd]
+        ctx_v = self._heads(self.v_proj(ctx), kv)[:, :, None]
+        per_seq = lambda t: t.reshape(S, A, *t.shape[1:-2], -1, t.shape[-1]).moveaxis(1, 3).reshape(  # noqa: E731
+            S, *t.shape[1:-2], A * L, t.shape[-1])  # [N, ..., L, d] -> [S, ..., A*L, d]
+        per_block = lambda t: t.reshape(S, *t.shape[1:-2], A, L, t.shape[-1]).moveaxis(3, 1).reshape(  # noqa: E731
+            N, *t.shape[1:-2], L, t.shape[-1])  # the inverse
         rows = mx.tile(mx.arange(L), A)[:, None]  # row within its block, for each of the A*L query rows
-        anchor = mx.repeat(anchors, L, axis=1)[:, None, :, None]  # [S, 1, A*L, 1]
-        ctx_visible = self._context_visible(mx.arange(ctx.shape[1]), anchor, rows)
-        block_of = mx.arange(A * L) // L
-        same_block = (block_of[:, None] == block_of[None, :]) & mx.tile(self._block_visible(L, mx.arange(L)[:, None]), (A, A))
-        mask = mx.concatenate([ctx_visible, mx.broadcast_to(same_block, (S, 1, A * L, A * L))], axis=-1)
-        out = mx.fast.scaled_dot_product_attention(per_seq(q), keys, values, scale=self.scale, mask=mask)
-        out = out.reshape(S, -1, A, L, out.shape[-1]).transpose(0, 2, 3, 1, 4)  # [S, A, L, heads, hd]
-        return self.o_proj(out.reshape(N, L, -1))
+        anchor = mx.repeat(anchors, L, axis=1)[:, None, None, :, None]  # [S, 1, 1, A*L, 1]
+        ctx_scores = per_seq(q) @ ctx_k.swapaxes(-1, -2)  # [S, kv, rep, A*L, C]
+        ctx_scores = mx.where(self._context_visible(mx.arange(ctx.shape[1]), anchor, rows), ctx_scores, -mx.inf)
+        own_scores = q @ k[:, :, None].swapaxes(-1, -2)  # [N, kv, rep, L, L]
+        own_scores = mx.where(self._block_visible(L, mx.arange(L)[:, None]), own_scores, -mx.inf)
+        probs = mx.softmax(mx.concatenate([ctx_scores, per_seq(own_scores)], axis=-1), axis=-1, precise=True)
+        C = ctx.shape[1]
+        out = per_block(probs[..., :C] @ ctx_v) + per_block(probs[..., C:]) @ v[:, :, None]  # [N, kv, rep, L, hd]
+        return self.o_proj(out.reshape(N, self.n_heads, L, hd).transpose(0, 2, 1, 3).reshape(N, L, -1))
 
 
 class MLP(nn.Module):
