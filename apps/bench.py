@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
+from dflash2_mlx.train.trainer import sparkline
+
 
 @dataclass
 class Method:
@@ -292,11 +294,6 @@ def _bar(value: float, scale: float, width: int = 30) -> str:
     return "█" * n + "·" * (width - n)
 
 
-def _sparkline(shares: list[float]) -> str:
-    """Acceptance by block position as one line of bars (the suffix-decay profile)."""
-    return "".join(" ▁▂▃▄▅▆▇█"[min(8, round(p * 8))] for p in shares)
-
-
 def report_console():
     """A console as wide as the terminal, or wide enough for the tables when the output is a file."""
     import sys
@@ -338,7 +335,7 @@ def render(report: dict, console=None) -> str:
                 f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
                 f"{r['cycle_ms']:.1f} ({r['overhead_ms']:.1f})" if r.get("overhead_ms") is not None else "-",
                 {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
-                _sparkline(r["acceptance_by_position"]),
+                sparkline(r["acceptance_by_position"], 0.0, 1.0),
             ]
         md.append("| " + " | ".join(row) + " |")
         style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])

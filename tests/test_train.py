@@ -25,7 +25,7 @@ from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, r
 from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.trainer import (
-    Trainer, TrainSettings, make_batch, run_seconds, training_vocabulary,
+    Trainer, TrainSettings, make_batch, run_seconds, sparkline, training_vocabulary,
 )
 
 # -- data ---------------------------------------------------------------------------------------------------
@@ -458,6 +458,15 @@ def test_run_seconds_splits_a_resumed_log():
     """Each resumed run's clock restarts at 0: the card sums the runs' wall times and counts them."""
     log = [{"seconds": 5.0}, {"seconds": 9.0}, {"seconds": 2.0}, {"seconds": 4.5}]
     assert run_seconds(log) == [9.0, 4.5] and run_seconds([]) == [0.0]
+
+
+def test_sparkline_scales():
+    """A learning curve spans its own min..max; the bench's acceptance profile a fixed 0..1 (so a drafter
+    that accepts half the time at every position does not read as a full bar)."""
+    assert sparkline([1.2, 1.4, 1.3]) == "▁█▅"  # (1.3 - 1.2) / 0.2 * 7 = 3.5 -> level 4
+    assert sparkline([0.5, 0.5], 0.0, 1.0) == "▅▅" and sparkline([0.5, 0.5]) == "▁▁"
+    assert sparkline([1.0, 0.0, 2.0], 0.0, 1.0) == "█▁█"  # clamped to the scale
+    assert sparkline([]) == ""
 
 
 def test_soft_targets_are_the_targets_top_k_next_tokens(tmp_path, train_data):

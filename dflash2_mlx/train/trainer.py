@@ -564,11 +564,13 @@ def write_curve(path: Path, log: list[dict]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def sparkline(values: list[float]) -> str:
-    """One block character per value, scaled between the values' min and max."""
+def sparkline(values: list[float], lo: float | None = None, hi: float | None = None) -> str:
+    """One block character per value, scaled between `lo` and `hi` (default: the values' min and max)."""
     bars = "▁▂▃▄▅▆▇█"
-    lo, hi = min(values, default=0), max(values, default=0)
-    return "".join(bars[0 if hi == lo else round((v - lo) / (hi - lo) * (len(bars) - 1))] for v in values)
+    lo = min(values, default=0) if lo is None else lo
+    hi = max(values, default=0) if hi is None else hi
+    level = lambda v: 0 if hi == lo else min(len(bars) - 1, max(0, round((v - lo) / (hi - lo) * (len(bars) - 1))))
+    return "".join(bars[level(v)] for v in values)
 
 
 def run_seconds(log: list[dict]) -> list[float]:
