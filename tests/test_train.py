@@ -595,6 +595,10 @@ def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path
     assert trainer.run(progress=False)["step"] == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     assert json.loads((trainer.checkpoint / "state.json").read_text())["step"] == 3
+    # eval_every 6: the stop is off the evaluation grid, yet the run ends on an evaluation of the weights it
+    # saves (the card's tau), the same one a fresh evaluation of those weights gives
+    assert trainer.log[-1]["step"] == 3 and trainer.log[-1]["tau"] == round(trainer.evaluate()[0], 4)
+    assert (tmp_path / "t" / "curve.csv").read_text().splitlines()[-1].startswith("3,")
     monkeypatch.setattr(Trainer, "train_step", real_step)
     result = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100)).run(progress=False)
     assert result["resumed"] and result["step"] == 6

@@ -482,13 +482,14 @@ class Trainer:
             while self.step < stop:
                 loss = self.train_step()
                 entry = {"step": self.step, "loss": loss, "seconds": time.perf_counter() - tic}
-                if self.step % s.eval_every == 0 or self.step == s.steps:
+                stopping = interrupted.is_set() or (budget is not None and time.perf_counter() > budget)
+                # every run ends on an evaluation, so the card's tau is that of the weights it describes
+                if self.step % s.eval_every == 0 or self.step == stop or stopping:
                     tau, first = self.evaluate()
                     entry.update(tau=round(tau, 4), first_draft=round(first, 4))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
-                stopping = interrupted.is_set() or (budget is not None and time.perf_counter() > budget)
                 if self.step % s.checkpoint_every == 0 or self.step == stop or stopping:
                     self.save_checkpoint()
                 if stopping:
