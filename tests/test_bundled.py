@@ -25,7 +25,8 @@ def test_bundled_drafter_matches_its_card(arch):
     assert config.architecture == card["architecture"] == ("DFlash2DraftModel" if arch == "dflash2" else "DFlashDraftModel")
     assert config.block_size == settings["block_size"] and config.num_hidden_layers == settings["layers"]
     assert config.is_dflash2 == (settings["architecture"] == "dflash2")
-    assert card["heldout_tau"] > 1.0 and card["steps"] == settings["steps"]
+    # a long run is bundled whenever its held-out tau improves, so its snapshot may be mid-schedule
+    assert card["heldout_tau"] > 1.0 and 0 < card["steps"] <= settings["steps"]
     assert all(f.stat().st_size <= 25 * 2**20 for f in folder.iterdir())  # the budget per file
     assert (folder / "README.md").read_text().startswith(f"# {card['architecture']} drafter for")
 
