@@ -483,14 +483,15 @@ class Trainer:
                 loss = self.train_step()
                 entry = {"step": self.step, "loss": loss, "seconds": time.perf_counter() - tic}
                 stopping = interrupted.is_set() or (budget is not None and time.perf_counter() > budget)
+                last = stopping or self.step == stop
                 # every run ends on an evaluation, so the card's tau is that of the weights it describes
-                if self.step % s.eval_every == 0 or self.step == stop or stopping:
+                if self.step % s.eval_every == 0 or last:
                     tau, first = self.evaluate()
                     entry.update(tau=round(tau, 4), first_draft=round(first, 4))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
-                if self.step % s.checkpoint_every == 0 or self.step == stop or stopping:
+                if self.step % s.checkpoint_every == 0 or last:
                     self.save_checkpoint()
                 if stopping:
                     break
