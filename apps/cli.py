@@ -402,6 +402,8 @@ TRAIN_FLAGS = {
     "--draft-vocab": ("draft_vocab", int, "train and draft over the N most frequent tokens of the training "
                       "responses (the drafter's draft vocabulary: a smaller LM head in every training step and "
                       "draft; the loss skips drafts of rarer tokens); default: every token of the training data"),
+    "--ema": ("ema", float, "decay of an exponential moving average of the weights (e.g. 0.999): the average is "
+              "what is evaluated and exported, the raw weights' tau is logged beside it; 0 = off"),
     "--time-budget": ("time_budget", float, "minutes of wall time for this run: it stops there with a checkpoint, "
                       "and rerunning the command continues"),
 }

@@ -417,6 +417,51 @@ def test_resume_is_bit_identical(tmp_path, train_data):
     assert [e["loss"] for e in straight.log] == [e["loss"] for e in second.log]
 
 
+def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_path, train_data, monkeypatch):
+    """--ema switched on in a resumed run: the average starts at that run's first weights, follows the formula
+    (checked in NumPy against every step's raw weights), survives a checkpoint, and is what the run evaluates
+    and exports, with the raw weights' tau logged beside it."""
+    model, folder = train_data
+    run = lambda ema, until=None: Trainer(model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1,
+                                                                         ema=ema)).run(progress=False, until=until)
+    run(0.0, until=2)  # a checkpoint without an average
+    seen, real_step = [], Trainer.train_step
+
+    def recording(self):
+        loss = real_step(self)
+        seen.append({k: np.array(v) for k, v in tree_flatten(self.drafter.parameters())})
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    run(0.2, until=4)  # steps 3 and 4 averaged; the average is checkpointed at step 4
+    trainer = Trainer(model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1, ema=0.2))
+    assert trainer.run(progress=False)["resumed"] and len(seen) == 3
+    # the formula: after n averaged steps, d = min(ema, (1 + n) / (10 + n)); here 0.18 (the warm-up) then 0.2
+    expected = seen[0]
+    for n, weights in enumerate(seen[1:], start=1):
+        d = min(0.2, (1 + n) / (10 + n))
+        expected = {k: d * expected[k] + (1 - d) * weights[k] for k in expected}
+    for k, v in expected.items():
+        np.testing.assert_allclose(np.array(trainer.average[k]), v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert any(not np.allclose(v, seen[-1][k]) for k, v in expected.items())  # an average, not the last step
+    # after the run the drafter holds its raw weights again; the log has both evaluations
+    assert all(np.array_equal(np.array(v), seen[-1][k]) for k, v in tree_flatten(trainer.drafter.parameters()))
+    entry = trainer.log[-1]
+    assert entry["raw_tau"] == round(trainer.evaluate().tau, 4)
+    with trainer.averaged():
+        assert entry["tau"] == round(trainer.evaluate().tau, 4)
+    rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
+    assert rows[0].endswith(",raw_tau,raw_first_draft") and [r.split(",")[0] for r in rows[1:]] == ["2", "4", "5"]
+    assert rows[1].endswith(",,") and rows[-1].split(",")[5] == str(entry["raw_tau"])
+    # the exported drafter is the average (its fc takes raw features: the feature scale folded in)
+    exported = dict(tree_flatten(load_drafter(str(trainer.export(tmp_path / "drafter"))).parameters()))
+    for k, v in expected.items():
+        want = v * np.array(trainer.feature_scale) if k == "fc.weight" else v
+        np.testing.assert_allclose(np.array(exported[k]), want, rtol=1e-5, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match=r"ema 1.0 is not a decay: give one in \[0, 1\)"):
+        Trainer(model, tmp_path / "u", settings(folder, "v1", 5, ema=1.0))
+
+
 def test_train_command(tmp_path, tiny_pair, capsys):
     from dflash2_apps.cli import main
 

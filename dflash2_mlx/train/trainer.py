@@ -6,7 +6,8 @@ features once for the whole sequences, and drafts from many random anchors in th
 only. Loss: cross-entropy of the B-1 drafts weighted by exp(-(k-1)/gamma); for DFlash 2 plus the selector's
 K-way cross-entropy over the top-K candidates (gold injected when missing, predecessor = the gold previous
 token). The target's embedding and LM head are lent, never trained. AdamW, warmup + cosine, clipping, a
-compiled step. The batch of step t depends only on (seed, t), so a resumed run is bit-identical.
+compiled step. The batch of step t depends only on (seed, t), so a resumed run is bit-identical. Optionally
+an exponential moving average of the weights (`ema`) is what gets evaluated and exported.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class TrainSettings:
     init_from_target: bool = False  # the drafter's layers and final norm start as the target's last layers
     distill: float = 0.0  # weight of the soft loss to the target's top-k next tokens (1 - it: the hard labels')
     time_budget: float | None = None  # minutes of wall time per run: stop there with a checkpoint (rerun to go on)
+    ema: float = 0.0  # decay of an exponential moving average of the weights, which is what is evaluated and
+    # exported (the raw weights' tau is logged beside it); 0: off. Switching it on in a resumed run starts the
+    # average at that run's weights
     extra: dict = field(default_factory=dict)
 
     def loss_gamma(self) -> float:
@@ -154,8 +158,8 @@ def layers_from_target(drafter: DFlashDraftModel, target: Target) -> None:
 
 
 GREEDY = SamplingParams()
-EVAL_STEP = 2**31 - 1
-_NO_SOFT = (mx.zeros((1, 1, 0), mx.int32), mx.zeros((1, 1, 0)))  # hard labels only  # the anchors of the held-out evaluation: the same at every evaluation
+EVAL_STEP = 2**31 - 1  # the anchors of the held-out evaluation: the same at every evaluation
+_NO_SOFT = (mx.zeros((1, 1, 0), mx.int32), mx.zeros((1, 1, 0)))  # hard labels only
 
 
 @dataclass
@@ -256,6 +260,9 @@ class Trainer:
         self.out = Path(out)
         self.train_samples = read_shards(settings.data, heldout=False)
         self.heldout = read_shards(settings.data, heldout=True)[: settings.eval_samples]
+        if not 0 <= settings.ema < 1:
+            raise ValueError(f"ema {settings.ema} is not a decay: give one in [0, 1), e.g. 0.999 (0 turns the "
+                             "moving average off)")
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(f"{settings.data} has {len(self.train_samples)} training samples; need at least "
                              f"{settings.sequences_per_step} (run `dflash2 data` first)")
@@ -302,6 +309,8 @@ class Trainer:
         self.optimizer.init(self.drafter.trainable_parameters())
         self.step = 0
         self.log: list[dict] = []
+        self.average: dict[str, mx.array] | None = None  # the weights' moving average (settings.ema)
+        self.averaged_steps = 0
         state = [self.drafter.state, self.optimizer.state]
         value_and_grad = nn.value_and_grad(self.drafter, loss_fn)
 
@@ -370,8 +379,11 @@ class Trainer:
         tmp.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(self.drafter.parameters())))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        if self.average is not None:
+            mx.save_safetensors(str(tmp / AVERAGE_FILE), self.average)
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "settings": asdict(self.settings),
-                                                    "log": self.log}, indent=2))
+                                                    "averaged_steps": self.averaged_steps, "log": self.log},
+                                                   indent=2))
         if self.checkpoint.exists():
             shutil.rmtree(self.checkpoint)
         tmp.rename(self.checkpoint)
@@ -380,7 +392,7 @@ class Trainer:
         if not (self.checkpoint / "state.json").exists():
             return False
         state = json.loads((self.checkpoint / "state.json").read_text())
-        free = ("steps", "eval_every", "checkpoint_every", "time_budget")
+        free = ("steps", "eval_every", "checkpoint_every", "time_budget", "ema")  # none changes the training path
         # settings added after a checkpoint was written take their defaults, which is what it ran with
         defaults = {f.name: f.default for f in fields(TrainSettings) if f.default is not MISSING}
         recorded = {k: v for k, v in {**defaults, **state["settings"]}.items() if k not in free}
@@ -399,7 +411,9 @@ class Trainer:
                 node = node[int(part)] if isinstance(node, list) else node[part]
             node[int(last) if isinstance(node, list) else last] = value
         self.step, self.log = state["step"], state["log"]
-        mx.eval(self.drafter.parameters(), self.optimizer.state)
+        if self.settings.ema and (self.checkpoint / AVERAGE_FILE).exists():
+            self.average, self.averaged_steps = mx.load(str(self.checkpoint / AVERAGE_FILE)), state["averaged_steps"]
+        mx.eval(self.drafter.parameters(), self.optimizer.state, self.average)
         return True
 
     # -- training ------------------------------------------------------------------------------------------
@@ -436,9 +450,35 @@ class Trainer:
             soft = self.soft_targets(batch, "train") if self.settings.distill else _NO_SOFT
         labels = mx.where(batch.labels >= 0, self.vocab_index[mx.maximum(batch.labels, 0)], -1)
         loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, _prev_gold(batch), *soft)
-        mx.eval(loss, self.drafter.state, self.optimizer.state)
+        if self.settings.ema:
+            self._update_average()
+        mx.eval(loss, self.drafter.state, self.optimizer.state, self.average)
         self.step += 1
         return loss.item()
+
+    def _update_average(self) -> None:
+        """average <- d * average + (1 - d) * weights, with d = min(ema, (1 + n) / (10 + n)) after n averaged
+        steps: the first steps' weights, far from trained, fade out fast whatever the decay."""
+        weights = dict(tree_flatten(self.drafter.parameters()))
+        if self.average is None:
+            self.average, self.averaged_steps = weights, 0
+        d = min(self.settings.ema, (1 + self.averaged_steps) / (10 + self.averaged_steps))
+        self.average = {k: d * a + (1 - d) * weights[k] for k, a in self.average.items()}
+        self.averaged_steps += 1
+
+    @contextmanager
+    def averaged(self):
+        """The drafter holds the averaged weights inside the block (the raw ones again after it); without an
+        average (`ema` 0, or no step yet) it keeps its own."""
+        if self.average is None:
+            yield self.drafter
+            return
+        raw = tree_flatten(self.drafter.parameters())
+        self.drafter.load_weights(list(self.average.items()))
+        try:
+            yield self.drafter
+        finally:
+            self.drafter.load_weights(raw)
 
     def evaluate(self) -> Evaluation:
         """Acceptance on held-out samples, teacher-forced: with greedy-regenerated data the response IS the
@@ -486,7 +526,11 @@ class Trainer:
                 last = stopping or self.step == stop
                 # every run ends on an evaluation, so the card's tau is that of the weights it describes
                 if self.step % s.eval_every == 0 or last:
-                    tau, first = self.evaluate()
+                    if self.average is not None:  # the raw weights' numbers beside the average's
+                        tau, first = self.evaluate()
+                        entry.update(raw_tau=round(tau, 4), raw_first_draft=round(first, 4))
+                    with self.averaged():
+                        tau, first = self.evaluate()
                     entry.update(tau=round(tau, 4), first_draft=round(first, 4))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
@@ -506,7 +550,8 @@ class Trainer:
         config = self.drafter.config.to_hf_dict()
         config["dtype"] = "float32"
         (folder / "config.json").write_text(json.dumps(config, indent=2))
-        weights = dict(tree_flatten(self.drafter.parameters()))
+        with self.averaged():
+            weights = dict(tree_flatten(self.drafter.parameters()))
         weights["fc.weight"] = weights["fc.weight"] * self.feature_scale  # takes raw target features
         write_weights(folder, hf_names(weights, self.drafter.config))
         if self.drafter.draft_vocab is not None:
@@ -546,12 +591,17 @@ class Evaluation(NamedTuple):
 
 
 CURVE_FILE = "curve.csv"
+AVERAGE_FILE = "average.safetensors"
 
 
 def write_curve(path: Path, log: list[dict]) -> None:
     """The learning curve as CSV: per evaluation, the step, the mean training loss since the previous
-    evaluation, held-out tau and first-draft accuracy, and the training wall time so far."""
-    lines, losses = ["step,train_loss,heldout_tau,heldout_first_draft,train_seconds"], []
+    evaluation, held-out tau and first-draft accuracy, and the training wall time so far; with a moving
+    average of the weights, tau and first-draft accuracy are the average's, and two more columns give the
+    raw weights' (empty on rows from before the average)."""
+    raw = any("raw_tau" in e for e in log)
+    header = "step,train_loss,heldout_tau,heldout_first_draft,train_seconds"
+    lines, losses = [header + (",raw_tau,raw_first_draft" if raw else "")], []
     elapsed, last = 0.0, 0.0
     for entry in log:
         if entry["seconds"] < last:  # a resumed run's clock starts again
@@ -560,7 +610,8 @@ def write_curve(path: Path, log: list[dict]) -> None:
         losses.append(entry["loss"])
         if "tau" in entry:
             lines.append(f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
-                         f"{elapsed + last:.1f}")
+                         f"{elapsed + last:.1f}"
+                         + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else ""))
             losses = []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -609,6 +660,7 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "runs": len(runs),
         "train_seconds": round(sum(runs), 1),
         "heldout_tau": evals[-1]["tau"] if evals else None,
+        "heldout_tau_raw_weights": evals[-1].get("raw_tau") if evals else None,  # with a moving average (ema)
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
@@ -624,7 +676,9 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"{trainer.settings.anchors_per_sequence} anchors, block {trainer.settings.block_size}, "
         f"{trainer.settings.layers} layer(s), {card['parameters']:,} parameters",
         f"- draft vocabulary: {_draft_vocab_words(trainer, card['draft_vocab'])}",
-        f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}",
+        f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}"
+        + (f" (the weights are a moving average, decay {trainer.settings.ema}; the last step's own weights: "
+           f"{card['heldout_tau_raw_weights']})" if card["heldout_tau_raw_weights"] is not None else ""),
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
         if evals else "- no evaluation yet",
