@@ -76,9 +76,10 @@ class Attention(nn.Module):
             ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
             ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
             ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
+        elif cache.keys is not None:  # no new rows: the cached ones (the buffer may run past them)
+            ctx_k, ctx_v = cache.keys[:, :, :start], cache.values[:, :, :start]
         else:
-            empty = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), x.dtype)
-            ctx_k, ctx_v = cache.state if cache.keys is not None else (empty, empty)
+            ctx_k = ctx_v = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), x.dtype)
         if self.sliding_window is not None:
             # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
             # window-1 context rows matter, so older ones never enter the attention.

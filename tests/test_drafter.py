@@ -46,6 +46,21 @@ def test_incremental_context_equals_all_at_once(target):
     np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
 
 
+def test_a_call_without_new_context_rows_reads_the_cached_ones(target):
+    """No new context rows (e.g. a second draft from the same position): the block attends to exactly the
+    rows the cache holds, also after a trim left stale rows in its buffer."""
+    drafter = make_drafter(target, block_size=8)
+    ctx = features(12)
+    cache = drafter.make_cache()
+    drafter(block(7, 8), ctx, cache)
+    for c in cache:
+        c.trim(3)  # rows 9..11 stay in the buffer, past the offset
+    got = drafter(block(11, 8), ctx[:, :0], cache)
+    expected = drafter(block(11, 8), ctx[:, :9], drafter.make_cache())
+    assert all(c.offset == 9 for c in cache)
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_attention_direction(target, causal):
     drafter = make_drafter(target, block_size=6, is_causal=causal)
