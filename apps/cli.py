@@ -120,9 +120,9 @@ def _apply_omlx_settings(args) -> None:
 def _load_pair(args):
     """(model, tokenizer, drafter) as `_add_model_args`' flags say; drafter None for --verify-mode off."""
     from dflash2_mlx import load
-    from dflash2_mlx.kernels import set_kernels
+    from dflash2_mlx.kernels import use_metal
 
-    set_kernels(args.kernels)
+    use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
     _apply_omlx_settings(args)
     args.verify_mode = args.verify_mode or _generation_defaults()["verify_mode"]
     if args.verify_mode != "off" and not args.draft_model:
@@ -142,6 +142,7 @@ def _load_pair(args):
         draft_quant=args.draft_quant,
         draft_vocab=args.draft_vocab,
         draft_vocab_counts=args.draft_vocab_counts,
+        kernels=args.kernels,
     )
 
 
@@ -179,7 +180,8 @@ def _run_generate(args) -> int:
     result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
-        extra = {"path": kwargs["walk"], "draft_quant": args.draft_quant, "draft_vocab": vocab, "runtime": runtime_info()}
+        extra = {"path": kwargs["walk"], "draft_quant": args.draft_quant, "draft_vocab": vocab,
+                 "runtime": runtime_info(args.kernels)}
         print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(_summary(result), file=sys.stderr)
@@ -515,11 +517,11 @@ def _run_bench(args) -> int:
         raise ValueError("--peer-python goes with --engines (the peer engines it runs)")
     peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
     from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
-    from dflash2_mlx.kernels import set_kernels
+    from dflash2_mlx.kernels import use_metal
     from dflash2_mlx.prompts import SUITES, load_suite
     from dflash2_mlx.runtime import runtime_info
 
-    set_kernels(args.kernels)
+    use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
     if args.quick:
         args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
     model, tokenizer = load_target(args.model, args.dtype)
@@ -529,7 +531,7 @@ def _run_bench(args) -> int:
         args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
     drafters, sources = [], []
     for path in args.draft_model:
-        drafter = load_drafter(path)
+        drafter = load_drafter(path, kernels=args.kernels)
         bind_drafter(drafter, model)
         label = path.rstrip("/").split("/")[-1]
         if label in {name for name, _ in drafters}:
@@ -564,7 +566,7 @@ def _run_bench(args) -> int:
         "drafters": [label for label, _ in drafters],
         "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
         "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
-        "runtime": runtime_info(), "engines": engines, "peer_python": peer_python if engines else None,
+        "runtime": runtime_info(args.kernels), "engines": engines, "peer_python": peer_python if engines else None,
     }
     console = report_console()
     markdown = render(report, console)

@@ -15,7 +15,6 @@ from functools import partial
 
 import mlx.core as mx
 
-from dflash2_mlx import kernels
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.sampling import accept_greedy
 from dflash2_mlx.selector import LatticeInputs, scored_path
@@ -29,7 +28,7 @@ VOCAB = 151936
 
 
 def cases(dtype):
-    """(op, size, call) for every op and size; the calls go through the dispatch switch."""
+    """(op, size, call) for every op and size; call(metal) runs the op as pure MLX or as its Metal kernel."""
     normal = mx.random.normal
     for D in HIDDEN_SIZES:
         for L in BLOCK_SIZES:
@@ -82,11 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                       "only. Run this on a Mac for the kernel column.")
     table = Table("op", "size", "pure-MLX ms", "Metal ms", "speedup", "same result")
     for op, size, call in cases(getattr(mx, args.dtype)):
-        kernels.set_kernels("mlx")
-        pure_ms, pure = ms_per_call(call, args.iterations)
+        pure_ms, pure = ms_per_call(partial(call, metal=False), args.iterations)
         if metal:
-            kernels.set_kernels("metal")
-            metal_ms, fused = ms_per_call(call, args.iterations)
+            metal_ms, fused = ms_per_call(partial(call, metal=True), args.iterations)
             table.add_row(op, size, f"{pure_ms:.3f}", f"{metal_ms:.3f}", f"{pure_ms / metal_ms:.2f}x",
                           agree(pure, fused))
         else:

@@ -129,7 +129,7 @@ def _cache_file() -> Path:
 
 def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> str:
     """What the costs depend on: the target and its dtype, the drafter's size and dtype, the machine."""
-    from .kernels import kernels_backend
+    from .kernels import backend_name
     from .runtime import blas
     from .train.features import fingerprint
 
@@ -141,7 +141,7 @@ def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> 
         f"{'dflash2' if cfg.is_dflash2 else 'v1'}",
         f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),
         platform.machine(), platform.processor() or "", str(os.cpu_count()),
-        "metal" if mx.metal.is_available() else "cpu", blas(), kernels_backend(), mx.__version__,
+        "metal" if mx.metal.is_available() else "cpu", blas(), backend_name(drafter.metal), mx.__version__,
     ]
     return " | ".join(parts)
 

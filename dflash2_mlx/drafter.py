@@ -166,6 +166,7 @@ class DecoderLayer(nn.Module):
             self.mlp_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
         else:
             self.attention_conv = self.mlp_conv = None
+        self.metal = False  # the drafter's kernels setting (`DFlashDraftModel.use_kernels`)
 
     @staticmethod
     def _sublayer(f, xn: mx.array, conv: DynamicShortConv | None) -> mx.array:
@@ -178,7 +179,7 @@ class DecoderLayer(nn.Module):
         # Decoding on the pure-MLX ops runs the two halves around the attention compiled (the conv's elementwise
         # ops fused, one trace per block size): ~1 ms of a 15 ms drafter pass on a CPU. Training keeps them as
         # they are, and with Metal kernels the conv is one kernel already.
-        compiled = training is None and cache is not None and not kernels.metal_enabled()
+        compiled = training is None and cache is not None and not self.metal
         before, after = self._compiled() if compiled else (self._attention_input, self._attention_output)
         attention_input, taps = before(x)
         return after(x, self.self_attn(attention_input, ctx, cache, training), taps)
@@ -230,6 +231,19 @@ class DFlashDraftModel(nn.Module):
             )
         self._target: _TargetParts | None = None
         self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
+        self.use_kernels("auto")
+
+    def use_kernels(self, choice: str = "auto") -> "DFlashDraftModel":
+        """Run the hot ops of the DFlash 2 cycle (the short convolution, the path selector, greedy acceptance)
+        as fused Metal kernels or as pure MLX, with the same results: 'auto' (the kernels where Metal is
+        available), 'metal' (the kernels, or an error without Metal) or 'mlx'. `self.metal` says which."""
+        self.metal = kernels.use_metal(choice)
+        for layer in self.layers:
+            layer.metal = self.metal
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.metal = self.metal
+        return self
 
     def bind(
         self, embed, lm_head, embed_scale: float = 1.0,
@@ -330,7 +344,7 @@ class DFlashDraftModel(nn.Module):
         inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed,
                                                         self._target.vocab_ids)
         if params.greedy:
-            idx, q = scored_path(inputs, walk)[1], None
+            idx, q = scored_path(inputs, walk, self.metal)[1], None
         else:
             idx, q = walk_sampled(lattice_of(inputs), params)
         tokens = mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0]

@@ -1,7 +1,8 @@
-"""Fused Metal kernels for the hot ops of the DFlash 2 cycle, and the one switch that picks them.
+"""Fused Metal kernels for the hot ops of the DFlash 2 cycle, and what a kernels setting means.
 
 Each kernel has a pure-MLX twin where the op lives (`short_conv.dynamic_conv`, `selector.scored_path`,
-`sampling.accept_greedy`); those call in here only when `metal_enabled()`. The kernel bodies are the
+`sampling.accept_greedy`); those call in here when told to (their `metal` argument). Which a drafter runs is
+its own setting (`DFlashDraftModel.use_kernels`; `--kernels` on the command line). The kernel bodies are the
 `.metal` files of the `dflash2_metal` package (the repository's `metal/`). Every launch is described by a
 `Launch` before it runs, so the tests can hand the very same launch to the CPU emulator of
 `tests/metal_emulation`.
@@ -16,7 +17,6 @@ from typing import NamedTuple
 import mlx.core as mx
 
 BACKENDS = ("auto", "metal", "mlx")
-_backend = "auto"
 
 # name -> (input names, output names, header file) of each kernel in metal/
 SIGNATURES = {
@@ -28,10 +28,9 @@ SIGNATURES = {
 MAX_ROWS, MAX_K, MAX_RANK = 16, 16, 256
 
 
-def set_kernels(choice: str) -> None:
-    """'auto': the Metal kernels where Metal is available, else pure MLX; 'metal': the kernels or an
-    error; 'mlx': pure MLX everywhere (same results, the reference)."""
-    global _backend
+def use_metal(choice: str = "auto") -> bool:
+    """Whether a kernels setting runs the Metal kernels here. 'auto': where Metal is available, else pure MLX;
+    'metal': the kernels or an error; 'mlx': pure MLX everywhere (same results, the reference)."""
     if choice not in BACKENDS:
         raise ValueError(f"unknown kernels setting {choice!r}; choose one of {BACKENDS}")
     if choice == "metal" and not mx.metal.is_available():
@@ -39,16 +38,12 @@ def set_kernels(choice: str) -> None:
             "--kernels metal needs Metal, which this machine does not have (mx.metal.is_available() is "
             "False); use --kernels auto or --kernels mlx to run the pure-MLX ops"
         )
-    _backend = choice
+    return choice == "metal" or (choice == "auto" and mx.metal.is_available())
 
 
-def metal_enabled() -> bool:
-    return _backend == "metal" or (_backend == "auto" and mx.metal.is_available())
-
-
-def kernels_backend() -> str:
+def backend_name(metal: bool) -> str:
     """What the hot ops run on, for reports: 'Metal' or 'pure-MLX'."""
-    return "Metal" if metal_enabled() else "pure-MLX"
+    return "Metal" if metal else "pure-MLX"
 
 
 def source(file: str) -> str:

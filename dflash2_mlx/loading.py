@@ -59,7 +59,7 @@ def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
 
 def load_drafter(
     path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None,
-    draft_vocab: int | None = None, vocab_counts: str | Path | None = None,
+    draft_vocab: int | None = None, vocab_counts: str | Path | None = None, kernels: str = "auto",
 ) -> DFlashDraftModel:
     """A drafter folder: a published Hugging Face layout (DFlash v1, DFlash 2, Muse-style; config.json +
     safetensors, no embedding or LM head: the target lends them, see `DFlashDraftModel.bind`) or an MLX
@@ -68,12 +68,12 @@ def load_drafter(
 
     The drafter proposes only tokens of its draft vocabulary (`vocab.py`): the one stored in the folder, or
     with `draft_vocab` N, the N most frequent tokens of `vocab_counts` (a `dflash2 data` folder or a .npy of
-    counts; default: the folder's own `token_counts.npy`)."""
+    counts; default: the folder's own `token_counts.npy`). `kernels`: see `DFlashDraftModel.use_kernels`."""
     path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.npy"])
     config = DraftConfig.from_path(path)
     raw = json.loads((path / "config.json").read_text())
     weights = hf.read_weights(path)
-    model = DFlashDraftModel(config)
+    model = DFlashDraftModel(config).use_kernels(kernels)
     stored_quant = raw.get("mlx", {}).get("quantization")
     if stored_quant:
         stored_quant = DraftQuant.parse(stored_quant)
@@ -184,11 +184,13 @@ def load(
     draft_quant: DraftQuant | str | None = None,
     draft_vocab: int | None = None,
     draft_vocab_counts: str | None = None,
+    kernels: str = "auto",
     **kwargs,
 ):
     """Load a target (see `load_target`) and, optionally, a DFlash drafter bound to it (see
     `load_drafter`; `draft_quant` may be a spec string like "w4a16:gs64"; `draft_vocab` N keeps the N most
-    frequent tokens of `draft_vocab_counts` as the drafter's draft vocabulary).
+    frequent tokens of `draft_vocab_counts` as the drafter's draft vocabulary; `kernels`: 'auto', 'metal' or
+    'mlx', see `DFlashDraftModel.use_kernels`).
 
     Returns (model, tokenizer, drafter) with drafter None when `draft_model` is None.
     """
@@ -197,6 +199,6 @@ def load(
     if draft_model is not None:
         if isinstance(draft_quant, str):
             draft_quant = DraftQuant.parse(draft_quant)
-        drafter = load_drafter(draft_model, draft_dtype, draft_quant, draft_vocab, draft_vocab_counts)
+        drafter = load_drafter(draft_model, draft_dtype, draft_quant, draft_vocab, draft_vocab_counts, kernels)
         bind_drafter(drafter, target_model)
     return target_model, tokenizer, drafter

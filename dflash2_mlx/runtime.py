@@ -7,7 +7,7 @@ import sys
 
 import mlx.core as mx
 
-from .kernels import kernels_backend
+from .kernels import backend_name, use_metal
 
 
 def blas() -> str:
@@ -21,12 +21,13 @@ def blas() -> str:
         return "unknown"
 
 
-def runtime_info() -> dict:
+def runtime_info(kernels: str = "auto") -> dict:
+    """The machine, MLX and BLAS, and what the `kernels` setting runs the DFlash 2 hot ops on here."""
     return {
         "mlx": mx.__version__,
         "backend": "metal" if mx.metal.is_available() else "cpu",
         "blas": blas(),
-        "kernels": kernels_backend(),
+        "kernels": backend_name(use_metal(kernels)),
         "machine": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
     }

@@ -80,29 +80,32 @@ class Proposal(NamedTuple):
     finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
 
 
-def accept(proposal: Proposal, target_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
+def accept(
+    proposal: Proposal, target_logits: mx.array, params: SamplingParams, metal: bool = False
+) -> tuple[mx.array, mx.array]:
     """The acceptance step of one cycle: (accepted count, bonus token), both scalars on the device.
 
     target_logits [n+1, V] are the verify rows of [anchor, drafts]. The committed tokens are the first
     `accepted` drafts and then the bonus; they follow the target's distribution exactly (its argmax at
     T = 0). A proposal with non-finite draft logits is rejected outright, so the cycle commits the
     target's own token at row 0, which is what the rule draws for row 0 anyway: no extra work.
+    `metal`: greedy acceptance as one Metal kernel (the drafter's kernels setting, `drafter.metal`).
     """
     if params.greedy:
         # No argmax equals V: a non-finite proposal gets accepted = 0 and row 0's argmax.
         drafts = mx.where(proposal.finite, proposal.tokens, target_logits.shape[-1])
-        return accept_greedy(drafts, target_logits)
+        return accept_greedy(drafts, target_logits, metal)
     if proposal.probs is None:
         raise ValueError("sampling (T > 0) needs the proposal's draft distribution (candidates and probs); "
                          "propose the drafts with the same SamplingParams")
     return accept_sampled(proposal, target_logits, params)
 
 
-def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
+def accept_greedy(drafts: mx.array, target_logits: mx.array, metal: bool = False) -> tuple[mx.array, mx.array]:
     """T = 0: accept the longest prefix of `drafts` [B-1] equal to the target's argmax; the bonus
     token is the target's argmax right after it. Returns (accepted count, bonus), both scalars.
-    With kernels on: one Metal dispatch that reads the rows only up to the first rejection."""
-    if kernels.metal_enabled():
+    With `metal`: one Metal dispatch that reads the rows only up to the first rejection."""
+    if metal:
         return kernels.accept_greedy(drafts, target_logits)
     choice = mx.argmax(target_logits, axis=-1)
     accepted = mx.sum(mx.cumprod((drafts == choice[:-1]).astype(mx.int32)))

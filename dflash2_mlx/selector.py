@@ -100,10 +100,10 @@ def lattice_of(inputs: LatticeInputs) -> Lattice:
     return Lattice(inputs.candidates, scores)
 
 
-def scored_path(inputs: LatticeInputs, walk: str) -> tuple[mx.array, mx.array]:
-    """(scores [T, k, k], path [T]): the lattice and a T = 0 walk over it. With kernels on this is one
+def scored_path(inputs: LatticeInputs, walk: str, metal: bool = False) -> tuple[mx.array, mx.array]:
+    """(scores [T, k, k], path [T]): the lattice and a T = 0 walk over it. With `metal` this is one
     Metal dispatch instead of an MLX op or two per draft row."""
-    if kernels.metal_enabled():
+    if metal:
         return kernels.scored_path(inputs.unary, inputs.pred_rows, inputs.h, inputs.succ, walk)
     lattice = lattice_of(inputs)
     return lattice.scores, (walk_viterbi if walk == "viterbi" else walk_greedy)(lattice)

@@ -7,7 +7,7 @@ per-channel weight (`base_kernel`) plus a dynamic correction shared by every `gr
     conv(x, base, dyn)[t, c] = sum_o (base[o, c] + dyn[t, o, c // G]) * x[t - o, c],   x[t - o] = 0 before row 0
 
 It is block-local and stateless: rows never see the previous block, so nothing is cached.
-With kernels on (`kernels.metal_enabled()`), the forward pass is one fused Metal kernel; gradients still go
+With kernels on (`metal`, the drafter's setting), the forward pass is one fused Metal kernel; gradients still go
 through the pure-MLX op, so training works either way.
 """
 
@@ -19,9 +19,9 @@ import mlx.nn as nn
 from . import kernels
 
 
-def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array) -> mx.array:
-    """x [..., L, D]; base [K, D]; dyn [..., L, K, D/G] -> [..., L, D]."""
-    if kernels.metal_enabled():
+def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array, metal: bool = False) -> mx.array:
+    """x [..., L, D]; base [K, D]; dyn [..., L, K, D/G] -> [..., L, D]; `metal`: as one Metal kernel."""
+    if metal:
         return _fused_conv(x, base, dyn)
     return dynamic_conv_mlx(x, base, dyn)
 
@@ -68,10 +68,11 @@ class DynamicShortConv(nn.Module):
         self.base_kernel = mx.zeros((2, kernel_size, dim)).at[:, 0, :].add(1.0)
         self.kernel_projection = nn.Linear(dim, 2 * kernel_size * self.groups, bias=False)
         self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+        self.metal = False  # the fused kernel; the drafter sets it (`DFlashDraftModel.use_kernels`)
 
     def coefficients(self, xn: mx.array) -> mx.array:
         """Dynamic taps from the normed sublayer input: [..., L, 2, K, D/G] (0: prepare, 1: finish)."""
         return self.kernel_projection(xn).reshape(*xn.shape[:-1], 2, self.kernel_size, self.groups)
 
     def __call__(self, x: mx.array, half: int, coefficients: mx.array) -> mx.array:
-        return dynamic_conv(x, self.base_kernel[half], coefficients[..., half, :, :])
+        return dynamic_conv(x, self.base_kernel[half], coefficients[..., half, :, :], self.metal)

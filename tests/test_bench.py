@@ -82,7 +82,7 @@ def test_classic_cycles_from_mlx_lm_flags():
 def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     target, drafter = tiny_pair
 
-    def broken_accept(drafts, target_logits):  # accepts every draft, right or wrong
+    def broken_accept(drafts, target_logits, metal=False):  # accepts every draft, right or wrong
         return mx.array(drafts.shape[0]), mx.argmax(target_logits[-1])
 
     monkeypatch.setattr(sampling, "accept_greedy", broken_accept)

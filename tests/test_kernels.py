@@ -1,8 +1,12 @@
 """The fused Metal kernels: each one, emulated on the CPU (tests/metal_emulation) in both thread orders,
 equals its pure-MLX op on fresh random inputs; deliberately broken copies fail there (so the emulator can
-fail); the dispatch switch; and, on a Mac, the real kernels against the same ops."""
+fail); a drafter's kernels setting reaches every op of the decode loop (through the emulator); and, on a Mac,
+the real kernels against the same ops."""
 
 from __future__ import annotations
+
+import json
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +15,7 @@ from conftest import make_dflash2_drafter, make_target
 from metal_emulation import EmulationError, compiler, emulate
 
 from dflash2_mlx import generate, kernels
-from dflash2_mlx.sampling import accept_greedy
+from dflash2_mlx.sampling import SamplingParams, accept_greedy
 from dflash2_mlx.selector import LatticeInputs, lattice_of, scored_path, walk_greedy, walk_viterbi
 from dflash2_mlx.short_conv import dynamic_conv, dynamic_conv_mlx
 
@@ -194,36 +198,62 @@ def test_broken_kernels_fail_in_the_emulator(case):
     assert any(failed), f"the emulator passed a broken kernel ({case})"
 
 
-# -- the dispatch switch ------------------------------------------------------------------------------------------
+# -- the kernels setting ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_backend():
-    saved = kernels._backend
-    yield
-    kernels._backend = saved
-
-
-def test_switch(restore_backend):
-    kernels.set_kernels("mlx")
-    assert not kernels.metal_enabled() and kernels.kernels_backend() == "pure-MLX"
-    kernels.set_kernels("auto")
-    assert kernels.kernels_backend() == ("Metal" if mx.metal.is_available() else "pure-MLX")
+def test_kernels_setting():
+    assert kernels.use_metal("mlx") is False and kernels.use_metal("auto") == mx.metal.is_available()
+    assert kernels.backend_name(True) == "Metal" and kernels.backend_name(False) == "pure-MLX"
     with pytest.raises(ValueError, match="unknown kernels setting 'cuda'"):
-        kernels.set_kernels("cuda")
+        kernels.use_metal("cuda")
+    drafter = make_dflash2_drafter(make_target())
+    assert drafter.metal == mx.metal.is_available()  # a new drafter is 'auto'
     if not mx.metal.is_available():
         with pytest.raises(RuntimeError, match="needs Metal.*use --kernels auto or --kernels mlx"):
-            kernels.set_kernels("metal")
-        assert kernels._backend == "auto"  # nothing changed
+            drafter.use_kernels("metal")
+    drafter.use_kernels("mlx")
+    flags = [drafter.metal] + [m.metal for layer in drafter.layers for m in (layer, layer.attention_conv, layer.mlp_conv)]
+    assert flags == [False] * 7
 
 
-def test_cli_kernels_flag(tiny_pair, capsys, restore_backend):
+@emulated
+def test_a_drafters_kernels_setting_reaches_every_op_of_the_decode_loop(tokenizer, monkeypatch):
+    """A drafter set to 'metal' launches the conv, selector and acceptance kernels from the decode loop (run
+    here by the CPU emulator), drafts what its pure-MLX self drafts, and decodes losslessly; set to 'mlx' it
+    launches none. Two drafters in one process keep their own settings (no global switch)."""
+    model = make_target()
+    metal, pure = make_dflash2_drafter(model), make_dflash2_drafter(model)
+    with monkeypatch.context() as m:
+        m.setattr(mx.metal, "is_available", lambda: True)
+        metal.use_kernels("metal")
+    pure.use_kernels("mlx")
+    launched = []
+    monkeypatch.setattr(kernels.Launch, "run", lambda launch: launched.append(launch.name) or emulate(launch))
+    plain = generate(model, tokenizer, [3, 4, 5], None, verify_mode="off", max_tokens=10, eos_token_ids=[]).tokens
+    for walk in WALKS:
+        runs = {}
+        for name, drafter in (("mlx", pure), ("metal", metal)):
+            launched.clear()
+            runs[name] = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=10,
+                                  eos_token_ids=[])
+            assert set(launched) == (set() if name == "mlx" else {"dynamic_conv", "lattice_path", "accept_greedy"})
+        assert runs["metal"].tokens == runs["mlx"].tokens == plain
+    # the drafts themselves: the same block and context through both drafters
+    block = mx.array([[7] + [pure.config.mask_token_id] * 7])
+    context = mx.random.normal((1, 6, len(pure.config.target_layer_ids) * pure.config.hidden_size), key=mx.random.key(4))
+    for walk in WALKS:
+        got, want = (d.propose(block, context, d.make_cache(), SamplingParams(), walk) for d in (metal, pure))
+        assert got.tokens.tolist() == want.tokens.tolist()
+
+
+def test_cli_kernels_flag(tiny_pair, capsys):
     from dflash2_apps.cli import main
 
     target, drafter = tiny_pair
     args = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "w1", "--max-tokens", "4",
             "--json"]
-    assert main([*args, "--kernels", "mlx"]) == 0 and kernels.kernels_backend() == "pure-MLX"
+    assert main([*args, "--kernels", "mlx"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["runtime"]["kernels"] == "pure-MLX"
     if not mx.metal.is_available():
         assert main([*args, "--kernels", "metal"]) == 2
         assert "needs Metal" in capsys.readouterr().err
@@ -232,17 +262,16 @@ def test_cli_kernels_flag(tiny_pair, capsys, restore_backend):
 def test_conv_gradients_go_through_the_pure_op(monkeypatch):
     """With kernels on, training differentiates the pure op (a Metal kernel has no autodiff). Here the
     kernel's forward is stood in for by one without gradients: only the custom vjp can give them."""
-    monkeypatch.setattr(kernels, "metal_enabled", lambda: True)
     monkeypatch.setattr(kernels, "dynamic_conv", lambda *a: mx.stop_gradient(dynamic_conv_mlx(*a)))
     (x, base, dyn), _ = conv_case((2,), 5, 32, 2, 16, mx.float32, seed=3)
     loss = lambda f: lambda *a: mx.sum(f(*a) ** 2)  # noqa: E731
-    got = mx.grad(loss(dynamic_conv), argnums=(0, 1, 2))(x, base, dyn)
+    got = mx.grad(loss(partial(dynamic_conv, metal=True)), argnums=(0, 1, 2))(x, base, dyn)
     want = mx.grad(loss(dynamic_conv_mlx), argnums=(0, 1, 2))(x, base, dyn)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_bench_runs(capsys, restore_backend):
+def test_kernel_bench_runs(capsys):
     from dflash2_apps.kernel_bench import main
 
     assert main(["--iterations", "1"]) == 0
@@ -276,17 +305,17 @@ def test_metal_path_kernel_matches_the_pure_op(walk):
         np.testing.assert_allclose(np.array(scores), np.array(want.scores), rtol=1e-5, atol=1e-4)
         assert path.tolist() == WALKS[walk](want._replace(scores=scores)).tolist()
         integer = lattice_case(*shape, seed=2, integers=True)
-        assert scored_path(integer, walk)[1].tolist() == WALKS[walk](lattice_of(integer)).tolist()
+        assert scored_path(integer, walk, metal=True)[1].tolist() == WALKS[walk](lattice_of(integer)).tolist()
 
 
 @on_metal
 @pytest.mark.parametrize("walk", WALKS)
-def test_metal_kernels_keep_decoding_lossless(walk, tokenizer, restore_backend):
+def test_metal_kernels_keep_decoding_lossless(walk, tokenizer):
     model = make_target()
     drafter = make_dflash2_drafter(model)
     runs = {}
     for choice in ("mlx", "metal"):
-        kernels.set_kernels(choice)
+        drafter.use_kernels(choice)
         runs[choice] = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=24,
                                 eos_token_ids=[]).tokens
     assert runs["metal"] == runs["mlx"]
