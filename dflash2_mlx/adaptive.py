@@ -227,6 +227,9 @@ class AdaptiveBlocks:
         self.scale_draft: float | None = None
         self.scale_plain: float | None = None
         self.gap, self.probe_due, self.timing_steps = first_gap, True, timing_steps
+        # A cycle right after plain steps (or the prefill) also feeds the drafter all their rows at once, and
+        # the first cycle at a block size traces it: one-off costs the cycles after it do not pay.
+        self.after_plain, self.traced = True, set()
 
     def acceptance(self) -> list[float]:
         """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1."""
@@ -270,14 +273,19 @@ class AdaptiveBlocks:
             run, self.timing_steps = self.timing_steps, 0
         else:
             run, self.gap = self.gap, min(2 * self.gap, self.max_gap)
-        self.probe_due = True
+        self.probe_due = self.after_plain = True
         return run if left is None else max(1, min(run, left))
 
     def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
+        """Its acceptance always counts; its time only for a steady cycle (see `after_plain`): a probe's one-off
+        costs would otherwise make every block look dearer than it is, and keep the drafter off."""
         for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
             self.seen[i] = self.decay * self.seen[i] + 1
             self.hits[i] = self.decay * self.hits[i] + (i < accepted)
-        self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B))
+        if not self.after_plain and B in self.traced:
+            self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B))
+        self.after_plain = False
+        self.traced.add(B)
 
     def observe_plain(self, steps: int, seconds: float) -> None:
         self.scale_plain = self._mix(self.scale_plain, seconds / steps / self.costs.passes_s(1))

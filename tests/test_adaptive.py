@@ -98,6 +98,28 @@ def test_slow_cycles_observed_online_turn_drafting_off():
     assert B == 1
 
 
+def test_a_probes_one_off_costs_do_not_set_the_time_scale():
+    """A cycle right after plain steps feeds the drafter their rows in bulk, and the first cycle at a block size
+    traces it: both are slow once. Their acceptance counts; their time does not, or a probe 10x its steady cost
+    would keep the drafter off. Later cycles at the same size set the scale."""
+    policy = AdaptiveBlocks(COSTS, 8, probe_block=5, timing_steps=4)
+    assert policy.next_block(None) == 1
+    policy.observe_plain(policy.plain_run(None), 4 * COSTS.verify_s[0])
+    assert policy.next_block(None) == 5
+    policy.observe_cycle(5, 4, 10 * COSTS.passes_s(5))  # the probe, after plain steps
+    assert policy.scale_draft is None and policy.acceptance()[3] > 0.5
+    B = policy.next_block(None)
+    assert B > 5  # drafting still pays on the measured costs (scaled as plain steps are)
+    policy.observe_cycle(B, B - 1, 3 * COSTS.passes_s(B))  # the first cycle at B
+    assert policy.scale_draft is None
+    policy.observe_cycle(B, B - 1, 2 * COSTS.passes_s(B))
+    policy.observe_cycle(B, B - 1, 1 * COSTS.passes_s(B))
+    assert policy.scale_draft == pytest.approx(0.7 * 2 + 0.3 * 1)  # steady cycles, mixed with weight 0.7
+    policy.plain_run(None)  # plain steps again: the next probe is one-off
+    policy.observe_cycle(5, 4, 10 * COSTS.passes_s(5))
+    assert policy.scale_draft == pytest.approx(1.7)
+
+
 @pytest.fixture
 def measured(monkeypatch):
     """Adaptive generations decide as if on the machine COSTS describes: its measured costs, and every cycle
@@ -200,10 +222,12 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
                                                              stale):
     """A cost model measured while the machine was busy (or before it changed) is dropped from the cache
     when a generation's timed plain steps, or its cycles relative to them, are more than 2x off it; the
-    next generation measures again. Timings within 2x keep it."""
+    next generation measures again. Timings within 2x keep it. (The drafter is the oracle: cycles are timed
+    only once they are steady, which a drafter that never accepts never reaches.)"""
     monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
     model = make_target("qwen3", seed=1)
-    drafter = make_drafter(model, block_size=4, seed=1)
+    prompt = prompts(1, seed=2)[0]
+    drafter = make_oracle(model, prompt, block_size=4)
     key = adaptive.cost_key(bind_drafter(drafter, model), drafter, 4)
     costs = CostModel(COSTS.verify_s[:4], COSTS.draft_s[:3])
     (tmp_path / "costs.json").write_text(json.dumps({key: {"verify_s": costs.verify_s, "draft_s": costs.draft_s},
@@ -212,7 +236,7 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
                         lambda self, B, a, s: cycle(self, B, a, cycle_off * plain_off * costs.passes_s(B)))
     monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s: plain(self, n, plain_off * n * costs.verify_s[0]))
-    generate(model, tokenizer, prompts(1, seed=2)[0], drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
+    generate(model, tokenizer, prompt, drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert (key not in kept) == stale and "another machine" in kept
     if stale:
