@@ -164,10 +164,10 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     batch = make_batch(trainer.heldout, 0, trainer.settings, drafter.config.mask_token_id, sequences=2)
     raw = trainer.target.sequence_features(batch.tokens)
     bind_drafter(drafter, model)
-    np.testing.assert_allclose(
-        np.array(drafter.hidden(batch.blocks, raw, None, batch.where)),
-        np.array(trainer.drafter.hidden(batch.blocks, raw * trainer.feature_scale, None, batch.where)),
-        rtol=1e-4, atol=1e-4)
+    with trainer.averaged():  # the weights' moving average (on by default) is what is exported
+        want = trainer.drafter.hidden(batch.blocks, raw * trainer.feature_scale, None, batch.where)
+    np.testing.assert_allclose(np.array(drafter.hidden(batch.blocks, raw, None, batch.where)), np.array(want),
+                               rtol=1e-4, atol=1e-4)
     prompt = [7, 8, 9, 10]
     plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     spec = generate(model, tokenizer, prompt, drafter, max_tokens=20, eos_token_ids=[])
@@ -343,7 +343,8 @@ def test_init_from_a_drafter_folder(tmp_path, train_data):
     exported = first.export(tmp_path / "drafter")
     second = Trainer(model, tmp_path / "b", settings(folder, None, 3, block_size=8, init_from=str(exported)))
     assert second.settings.architecture == "dflash2" and second.settings.block_size == 5
-    assert second.evaluate() == first.evaluate()
+    with first.averaged():  # what `export` wrote
+        assert second.evaluate() == first.evaluate()
     second.run(progress=False)
     assert second.step == 3
     with pytest.raises(ValueError, match="is a DFlash 2 drafter; it can be fine-tuned as one"):
@@ -359,13 +360,14 @@ def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     exported = v1.export(tmp_path / "v1-drafter")
     v2 = Trainer(model, tmp_path / "v2", settings(folder, "dflash2", 20, init_from=str(exported)))
     assert v2.drafter.config.is_dflash2 and v2.settings.architecture == "dflash2"
-    assert v2.evaluate() == v1.evaluate()
-    assert v1.evaluate().first_draft > 0  # a comparison of drafters that draft something
     batch = make_batch(v2.heldout, 0, v2.settings, v2.drafter.config.mask_token_id, sequences=2)
     context = v2.context(batch, "heldout")
-    np.testing.assert_allclose(np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
-                               np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
-                               rtol=1e-5, atol=1e-5)
+    with v1.averaged():  # what `export` wrote
+        assert v2.evaluate() == v1.evaluate()
+        assert v1.evaluate().first_draft > 0  # a comparison of drafters that draft something
+        np.testing.assert_allclose(np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
+                                   np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
+                                   rtol=1e-5, atol=1e-5)
     v2.run(progress=False)
     conv = v2.drafter.layers[0].attention_conv
     assert mx.any(conv.kernel_projection.weight != 0).item()  # the DFlash 2 modules train from there
@@ -414,6 +416,7 @@ def test_resume_is_bit_identical(tmp_path, train_data):
     assert second.run(progress=False)["resumed"]
     a, b = dict(tree_flatten(straight.drafter.parameters())), dict(tree_flatten(second.drafter.parameters()))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert all(mx.array_equal(straight.average[k], second.average[k]).item() for k in a)  # the moving average too
     assert [e["loss"] for e in straight.log] == [e["loss"] for e in second.log]
 
 
@@ -482,7 +485,7 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert f"held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}" in readme
     # the learning curve: one CSV row per evaluation, the card's numbers, and a sparkline of them
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds"
+    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft"
     curve = [r.split(",") for r in rows[1:]]
     assert [(int(r[0]), float(r[2])) for r in curve] == [tuple(h) for h in history]
     assert [float(r[3]) for r in curve] == [f for _, f in card["heldout_first_draft_history"]]
@@ -642,7 +645,8 @@ def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path
     assert json.loads((trainer.checkpoint / "state.json").read_text())["step"] == 3
     # eval_every 6: the stop is off the evaluation grid, yet the run ends on an evaluation of the weights it
     # saves (the card's tau), the same one a fresh evaluation of those weights gives
-    assert trainer.log[-1]["step"] == 3 and trainer.log[-1]["tau"] == round(trainer.evaluate()[0], 4)
+    with trainer.averaged():
+        assert trainer.log[-1]["step"] == 3 and trainer.log[-1]["tau"] == round(trainer.evaluate()[0], 4)
     assert (tmp_path / "t" / "curve.csv").read_text().splitlines()[-1].startswith("3,")
     monkeypatch.setattr(Trainer, "train_step", real_step)
     result = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, checkpoint_every=100)).run(progress=False)
