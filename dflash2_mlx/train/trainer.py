@@ -6,7 +6,7 @@ features once for the whole sequences, and drafts from many random anchors in th
 only. Loss: cross-entropy of the B-1 drafts weighted by exp(-(k-1)/gamma); for DFlash 2 plus the selector's
 K-way cross-entropy over the top-K candidates (gold injected when missing, predecessor = the gold previous
 token). The target's embedding and LM head are lent, never trained. AdamW, warmup + cosine, clipping, a
-compiled step. The batch of step t depends only on (seed, t), so a resumed run is bit-identical. Optionally
+compiled step. The batch of step t depends only on (seed, t), so a resumed run is bit-identical. By default
 an exponential moving average of the weights (`ema`) is what gets evaluated and exported.
 """
 
