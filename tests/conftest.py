@@ -32,6 +32,10 @@ def pytest_configure(config):
     restart_with_openblas(["-m", "pytest", *config.invocation_params.args],
                           before_exec=capture.stop_global_capturing if capture else None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
+    if getattr(config.option, "numprocesses", None):
+        # pytest-xdist workers, one per core, inherit this before they start: each OpenBLAS on one thread
+        # instead of every worker's threads contending for all the cores
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # adaptive mode's measured costs go to a file of this run's, never to the user's cache
     os.environ["DFLASH2_COSTS"] = str(Path(config.rootpath) / ".pytest_cache" / f"costs-{os.getpid()}.json")
 
