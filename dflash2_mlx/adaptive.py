@@ -25,6 +25,7 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,16 +56,20 @@ class CostModel:
         return [(n, s / self.verify_s[0]) for n, s in enumerate(self.verify_s, 1)]
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls after a warm-up: what the machine can do, with the noise of other
-    work on it left out (the decode loop corrects for a busy machine online)."""
-    fn()  # warm-up (compilation, allocation)
-    times = []
+def _best_seconds(fns: list, repeats: int) -> list[float]:
+    """The fastest of `repeats` timed calls of each of `fns`, after a warm-up call of each: what the machine can
+    do, with the noise of other work on it left out (the decode loop corrects for a busy machine online). The
+    calls go in rounds, every fn once per round, so that a machine that slows down during the measurement
+    (another job starting) weighs on every size alike instead of bending the curve."""
+    for fn in fns:
+        fn()  # warm-up (compilation, allocation)
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
-    return min(times)
+        for i, fn in enumerate(fns):
+            tic = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - tic)
+    return best
 
 
 MEASURE_CONTEXT_TOKENS = 64
@@ -111,10 +116,10 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
             mx.eval(drafter.propose(block[None], context[None], drafter.make_cache(), SamplingParams()).tokens)
 
         points = verify_points(block_max, verify_max)
-        verify_s = _interpolate(points, list(itertools.accumulate((_best_seconds(lambda: verify(n), repeats)
-                                                                   for n in points), max)))
-        # The drafter's pass grows little with B: measure its ends, interpolate between them.
-        ends = list(itertools.accumulate((_best_seconds(lambda: draft(B), repeats) for B in sorted({2, block_max})), max))
+        ends = sorted({2, block_max})  # the drafter's pass grows little with B: its ends, interpolated between
+        seconds = _best_seconds([partial(verify, n) for n in points] + [partial(draft, B) for B in ends], repeats)
+        verify_s = _interpolate(points, list(itertools.accumulate(seconds[: len(points)], max)))
+        ends = list(itertools.accumulate(seconds[len(points) :], max))
     lo, hi = ends[0], ends[-1]
     draft_s = [lo + (hi - lo) * (B - 2) / max(1, block_max - 2) for B in range(2, block_max + 1)]
     return CostModel(verify_s, draft_s)

@@ -7,6 +7,7 @@ import importlib
 import itertools
 import json
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -195,6 +196,26 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch, tokenizer):
         load_or_measure_costs(target, drafter, 3)  # another block range is another measurement
 
 
+def test_another_job_starting_during_the_measurement_keeps_the_curves_shape(monkeypatch):
+    """Timed in rounds, every size once per round, the best of each keeps the true ratios when the machine
+    gets 2x slower halfway through the measurement (another job starting). Timed size after size, as before,
+    every size timed after that moment would look 2x dearer, and the cost model turn against longer blocks."""
+    true = [1.0, 1.2, 1.3, 1.5, 1.5, 1.6, 1.6, 1.7]  # in plain steps
+    halfway = 6 * sum(true) / 2  # a warm-up and five timed calls each
+    clock = [0.0]
+
+    def call(cost):
+        clock[0] += cost * (1 if clock[0] < halfway else 2)
+
+    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    calls = [partial(call, c) for c in true]
+    together = adaptive._best_seconds(calls, repeats=5)
+    assert np.allclose(np.divide(together, together[0]), true)
+    clock[0] = 0.0
+    one_at_a_time = [adaptive._best_seconds([fn], repeats=5)[0] for fn in calls]  # the old order
+    assert np.allclose(np.divide(one_at_a_time, one_at_a_time[0])[5:], 2 * np.array(true[5:]))  # those after it
+
+
 def test_a_tree_verify_curve_reaches_past_the_block(tmp_path, monkeypatch):
     """ddtree's costs: the drafter up to the block, the verify curve to 33 tokens (timed at 1..B, every fourth
     and the last, linear in between), cached apart from adaptive mode's."""
@@ -204,7 +225,8 @@ def test_a_tree_verify_curve_reaches_past_the_block(tmp_path, monkeypatch):
     drafter = make_drafter(model, block_size=4)
     target = bind_drafter(drafter, model)
     timed = []
-    monkeypatch.setattr(adaptive, "_best_seconds", lambda fn, repeats: fn() or timed.append(1) or 0.01 * len(timed))
+    monkeypatch.setattr(adaptive, "_best_seconds",
+                        lambda fns, repeats: [fn() or timed.append(1) or 0.01 * len(timed) for fn in fns])
     costs = load_or_measure_costs(target, drafter, 4, 33)
     assert len(costs.verify_s) == 33 and len(costs.draft_s) == 3 and costs.block_max == 4
     # timed values 0.01 * k at the k-th point: check the interpolation against NumPy's
