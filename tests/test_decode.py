@@ -15,6 +15,9 @@ from dflash2_mlx.target import Target
 
 ARCHS = ["qwen3", "llama", "qwen2", "llama_swa"]
 BLOCK_SIZES = list(range(2, 17))
+# The random drafter's cycles all end at their first draft, whatever B: a few sizes cover that path (one
+# cycle per token makes it most of the test's time); the oracle's varied acceptance runs at every size.
+RANDOM_DRAFTER_BLOCK_SIZES = [2, 3, 4, 8, 13, 16]
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -38,8 +41,8 @@ def assert_cycles_just_cover(accepted: list[int], B: int, max_tokens: int) -> No
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_to_plain(arch, tokenizer):
-    """Every block size 2..16, several prompts, a random drafter (almost every draft rejected) and
-    a spoiled oracle (acceptance lengths from 0 to B-1)."""
+    """Every block size 2..16, several prompts, a spoiled oracle (acceptance lengths from 0 to B-1) and, at
+    a few of the sizes, a random drafter (almost every draft rejected)."""
     model = make_target(arch, seed=ARCHS.index(arch))
     random_drafter = make_drafter(model, block_size=16, seed=7)
     lengths_seen, random_accepted = set(), []
@@ -48,11 +51,12 @@ def test_greedy_identical_to_plain(arch, tokenizer):
         plain, _, _ = run(model, tokenizer, prompt, max_tokens=max_tokens, eos_token_ids=[])
         assert len(plain) == max_tokens
         for B in BLOCK_SIZES:
-            spec, accepted, _ = run(model, tokenizer, prompt, random_drafter, block_size=B,
-                                    max_tokens=max_tokens, eos_token_ids=[])
-            assert spec == plain, f"{arch} prompt {i} B={B} (random drafter)"
-            assert_cycles_just_cover(accepted, B, max_tokens)
-            random_accepted += accepted
+            if B in RANDOM_DRAFTER_BLOCK_SIZES:
+                spec, accepted, _ = run(model, tokenizer, prompt, random_drafter, block_size=B,
+                                        max_tokens=max_tokens, eos_token_ids=[])
+                assert spec == plain, f"{arch} prompt {i} B={B} (random drafter)"
+                assert_cycles_just_cover(accepted, B, max_tokens)
+                random_accepted += accepted
             oracle = make_oracle(model, prompt, block_size=16, spoil_seed=100 * i + B)
             spec, accepted, _ = run(model, tokenizer, prompt, oracle, block_size=B,
                                     max_tokens=max_tokens, eos_token_ids=[])
