@@ -82,8 +82,8 @@ def verify_points(block_max: int, verify_max: int) -> list[int]:
 
 
 def _interpolate(points: list[int], seconds: list[float]) -> list[float]:
-    """seconds at every n in 1..points[-1], linear between the timed points."""
-    return [float(s) for s in np.interp(np.arange(1, points[-1] + 1), points, seconds)]
+    """seconds at every n in points[0]..points[-1], linear between the timed points."""
+    return [float(s) for s in np.interp(np.arange(points[0], points[-1] + 1), points, seconds)]
 
 
 def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE_CONTEXT_TOKENS,
@@ -118,12 +118,11 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
             mx.eval(drafter.propose(block[None], context[None], drafter.make_cache(), SamplingParams()).tokens)
 
         points = verify_points(block_max, verify_max)
-        ends = sorted({2, block_max})  # the drafter's pass grows little with B: its ends, interpolated between
-        seconds = _best_seconds([partial(verify, n) for n in points] + [partial(draft, B) for B in ends], repeats)
-        verify_s = _interpolate(points, list(itertools.accumulate(seconds[: len(points)], max)))
-        ends = list(itertools.accumulate(seconds[len(points) :], max))
-    lo, hi = ends[0], ends[-1]
-    draft_s = [lo + (hi - lo) * (B - 2) / max(1, block_max - 2) for B in range(2, block_max + 1)]
+        draft_sizes = sorted({2, block_max})  # the drafter's pass grows little with B: timed at the ends only
+        seconds = _best_seconds([partial(verify, n) for n in points] + [partial(draft, B) for B in draft_sizes],
+                                repeats)
+    verify_s = _interpolate(points, list(itertools.accumulate(seconds[: len(points)], max)))
+    draft_s = _interpolate(draft_sizes, list(itertools.accumulate(seconds[len(points) :], max)))
     return CostModel(verify_s, draft_s)
 
 
