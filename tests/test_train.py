@@ -157,6 +157,16 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     losses = [e["loss"] for e in trainer.log]
     assert np.mean(losses[-10:]) < 0.7 * np.mean(losses[:10])
     assert trainer.log[-1]["tau"] > untrained_tau
+    # the train_tau column: the held-out evaluation run on a spread of training samples, which the fitted
+    # drafter accepts more of than unseen ones
+    assert len(trainer.train_probe) == min(40, len(trainer.train_samples)) and trainer.log[-1]["train_tau"] > \
+        trainer.log[-1]["tau"]
+    caches, trainer.caches = trainer.caches, {}  # features from the target for both (not the cache's float16)
+    with trainer.averaged():
+        seen, heldout = trainer.evaluate("train"), trainer.heldout
+        trainer.heldout = [trainer.train_samples[i] for i in trainer.train_probe]
+        assert trainer.evaluate() == seen
+    trainer.caches, trainer.heldout = caches, heldout
     # the result is a drafter folder that decodes losslessly
     drafter = load_drafter(str(trainer.export(tmp_path / "drafter")))
     assert drafter.config.is_dflash2 == (arch == "dflash2")
@@ -454,8 +464,8 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
     with trainer.averaged():
         assert entry["tau"] == round(trainer.evaluate().tau, 4)
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0].endswith(",raw_tau,raw_first_draft") and [r.split(",")[0] for r in rows[1:]] == ["2", "4", "5"]
-    assert rows[1].endswith(",,") and rows[-1].split(",")[5] == str(entry["raw_tau"])
+    assert rows[0].endswith(",raw_tau,raw_first_draft,train_tau") and [r.split(",")[0] for r in rows[1:]] == ["2", "4", "5"]
+    assert rows[1].split(",")[5:7] == ["", ""] and rows[-1].split(",")[5] == str(entry["raw_tau"])
     # the exported drafter is the average (its fc takes raw features: the feature scale folded in)
     exported = dict(tree_flatten(load_drafter(str(trainer.export(tmp_path / "drafter"))).parameters()))
     for k, v in expected.items():
@@ -485,11 +495,12 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert f"held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}" in readme
     # the learning curve: one CSV row per evaluation, the card's numbers, and a sparkline of them
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft"
+    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft,train_tau"
     curve = [r.split(",") for r in rows[1:]]
     assert [(int(r[0]), float(r[2])) for r in curve] == [tuple(h) for h in history]
     assert [float(r[3]) for r in curve] == [f for _, f in card["heldout_first_draft_history"]]
-    assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 for r in curve)
+    assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 and 1 <= float(r[7]) <= 4 for r in curve)
+    assert float(curve[-1][7]) == card["train_tau"] and f"training samples: {card['train_tau']}" in readme
     assert "2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
     shutil.rmtree(tmp_path / "t" / "checkpoint")
     runs = {}

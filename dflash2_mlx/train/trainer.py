@@ -261,6 +261,10 @@ class Trainer:
         self.out = Path(out)
         self.train_samples = read_shards(settings.data, heldout=False)
         self.heldout = read_shards(settings.data, heldout=True)[: settings.eval_samples]
+        # as many training samples, spread over the data: evaluated like the held-out ones, the gap between
+        # the two is what the drafter memorized rather than learned
+        spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
+        self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
         if not 0 <= settings.ema < 1:
             raise ValueError(f"ema {settings.ema} is not a decay: give one in [0, 1), e.g. 0.999 (0 turns the "
                              "moving average off)")
@@ -481,18 +485,21 @@ class Trainer:
         finally:
             self.drafter.load_weights(raw)
 
-    def evaluate(self) -> Evaluation:
+    def evaluate(self, split: str = "heldout") -> Evaluation:
         """Acceptance on held-out samples, teacher-forced: with greedy-regenerated data the response IS the
         target's greedy continuation, so the leading matches of each block's greedy drafts are exactly what
-        verification would accept. tau = mean(accepted + 1); first_draft = how often draft 1 is right."""
-        if not self.heldout:
+        verification would accept. tau = mean(accepted + 1); first_draft = how often draft 1 is right.
+        split="train": the same on `train_probe`, training samples the drafter has learned from."""
+        samples, indices = ((self.heldout, range(len(self.heldout))) if split == "heldout"
+                            else (self.train_samples, self.train_probe))
+        if not indices:
             return Evaluation(float("nan"), float("nan"))
         accepted, first = [], []
-        for start in range(0, len(self.heldout), 4):
-            chunk = self.heldout[start : start + 4]
+        for start in range(0, len(indices), 4):
+            chunk = [samples[i] for i in indices[start : start + 4]]
             batch = make_batch(chunk, EVAL_STEP, self.settings, self.drafter.config.mask_token_id, sequences=len(chunk))
-            batch.picked = [start + i for i in batch.picked]  # indices into the held-out list
-            context = self.context(batch, "heldout")
+            batch.picked = [indices[start + i] for i in batch.picked]  # indices into the split's samples
+            context = self.context(batch, split)
             hidden = self.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
             logits = self.drafter.draft_logits(hidden)
             drafts = mx.stack([
@@ -532,7 +539,8 @@ class Trainer:
                         entry.update(raw_tau=round(tau, 4), raw_first_draft=round(first, 4))
                     with self.averaged():
                         tau, first = self.evaluate()
-                    entry.update(tau=round(tau, 4), first_draft=round(first, 4))
+                        seen_tau = self.evaluate("train").tau
+                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
@@ -599,10 +607,11 @@ def write_curve(path: Path, log: list[dict]) -> None:
     """The learning curve as CSV: per evaluation, the step, the mean training loss since the previous
     evaluation, held-out tau and first-draft accuracy, and the training wall time so far; with a moving
     average of the weights, tau and first-draft accuracy are the average's, and two more columns give the
-    raw weights' (empty on rows from before the average)."""
+    raw weights'; the last column is the same tau on training samples (`train_tau`). Columns a row's run did not
+    measure are empty."""
     raw = any("raw_tau" in e for e in log)
     header = "step,train_loss,heldout_tau,heldout_first_draft,train_seconds"
-    lines, losses = [header + (",raw_tau,raw_first_draft" if raw else "")], []
+    lines, losses = [header + (",raw_tau,raw_first_draft" if raw else "") + ",train_tau"], []
     elapsed, last = 0.0, 0.0
     for entry in log:
         if entry["seconds"] < last:  # a resumed run's clock starts again
@@ -612,7 +621,8 @@ def write_curve(path: Path, log: list[dict]) -> None:
         if "tau" in entry:
             lines.append(f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
                          f"{elapsed + last:.1f}"
-                         + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else ""))
+                         + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else "")
+                         + f",{entry.get('train_tau', '')}")
             losses = []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -662,6 +672,7 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "train_seconds": round(sum(runs), 1),
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_raw_weights": evals[-1].get("raw_tau") if evals else None,  # with a moving average (ema)
+        "train_tau": evals[-1].get("train_tau") if evals else None,  # the same on training samples
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
@@ -680,9 +691,11 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}"
         + (f" (the weights are a moving average, decay {trainer.settings.ema}; the last step's own weights: "
            f"{card['heldout_tau_raw_weights']})" if card["heldout_tau_raw_weights"] is not None else ""),
+        f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} (above the held-out tau by "
+        "what the drafter memorized rather than learned)" if card["train_tau"] is not None else "",
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
         if evals else "- no evaluation yet",
         f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
-    (folder / "README.md").write_text("\n".join(lines) + "\n")
+    (folder / "README.md").write_text("\n".join(line for line in lines if line) + "\n")
