@@ -493,6 +493,7 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert all(1 <= tau <= 4 for _, tau in history), history
     readme = (tmp_path / "t" / "drafter" / "README.md").read_text()
     assert f"held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}" in readme
+    assert readme.startswith("# DFlash2DraftModel drafter for ") and readme.split("\n")[1] == ""  # heading, blank
     # the learning curve: one CSV row per evaluation, the card's numbers, and a sparkline of them
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
     assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft,train_tau"

@@ -691,11 +691,11 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}"
         + (f" (the weights are a moving average, decay {trainer.settings.ema}; the last step's own weights: "
            f"{card['heldout_tau_raw_weights']})" if card["heldout_tau_raw_weights"] is not None else ""),
-        f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} (above the held-out tau by "
-        "what the drafter memorized rather than learned)" if card["train_tau"] is not None else "",
+        *([f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} (above the held-out tau "
+           "by what the drafter memorized rather than learned)"] if card["train_tau"] is not None else []),
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
         if evals else "- no evaluation yet",
         f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
-    (folder / "README.md").write_text("\n".join(line for line in lines if line) + "\n")
+    (folder / "README.md").write_text("\n".join(lines) + "\n")
