@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-from dflash2_mlx.train.trainer import sparkline
+from dflash2_mlx.sparkline import sparkline
 
 
 @dataclass

@@ -293,7 +293,7 @@ def _convert_parser(sub) -> None:
                    help="weights dtype (drafters: default bfloat16; GGUF: default keeps quantized tensors)")
     p.add_argument("--force-float16", action="store_true", help="allow a float16 drafter (NaN-prone)")
     p.add_argument("-q", "--quantize", action="store_true", help="quantize the drafter (mlx-lm format)")
-    from dflash2_mlx.checkpoints.quantize import DraftQuant
+    from dflash2_mlx.formats.quantize import DraftQuant
 
     q = DraftQuant()
     p.add_argument("--q-bits", type=int, default=q.bits, choices=[2, 3, 4, 5, 6, 8])
@@ -305,9 +305,9 @@ def _convert_parser(sub) -> None:
 
 
 def _run_convert(args) -> int:
-    from dflash2_mlx.checkpoints.gguf import convert_gguf
-    from dflash2_mlx.checkpoints.hf import convert
-    from dflash2_mlx.checkpoints.quantize import DraftQuant
+    from dflash2_mlx.formats.gguf import convert_gguf
+    from dflash2_mlx.convert import convert
+    from dflash2_mlx.formats.quantize import DraftQuant
 
     if args.hf_path.endswith(".gguf"):
         if args.quantize:
@@ -335,7 +335,7 @@ def _export_parser(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from dflash2_mlx.checkpoints.hf import export
+    from dflash2_mlx.convert import export
 
     print(f"wrote {export(args.mlx_path, args.hf_path, args.dtype)}", file=sys.stderr)
     return 0
@@ -368,7 +368,7 @@ def _run_data(args) -> int:
     import numpy as np
 
     from dflash2_mlx.train.data import DataSettings, build, read_shards
-    from dflash2_mlx.vocab import COUNTS_FILE, token_counts
+    from dflash2_mlx.formats.vocab import COUNTS_FILE, token_counts
 
     settings = DataSettings(args.model, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens,
                             args.temp, args.seed, args.batch_size)

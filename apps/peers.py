@@ -106,7 +106,7 @@ def target_folder(model_arg: str | None, dtype: str | None, folder: Path) -> tup
     import mlx.core as mx
 
     from dflash2_mlx.assets import default_target
-    from dflash2_mlx.checkpoints.gguf import convert_gguf
+    from dflash2_mlx.formats.gguf import convert_gguf
     from dflash2_mlx.loading import resolve_path
 
     source = str(model_arg or default_target())
@@ -125,7 +125,8 @@ def published_drafter(drafter, model, source: str, out: Path) -> str:
     token times the projection: the very codes ours computes per token). Returns what the row should say."""
     import mlx.core as mx
 
-    from dflash2_mlx.checkpoints.hf import dequantized, hf_names, write_weights
+    from dflash2_mlx.convert import dequantized
+    from dflash2_mlx.formats.weights import hf_names, write_weights
     from dflash2_mlx.loading import resolve_path
     from dflash2_mlx.target import Target
 

@@ -1,6 +1,6 @@
 """DFlash / DFlash 2 block-diffusion speculative decoding for mlx-lm models."""
 
-from .config import DraftConfig
+from .formats.config import DraftConfig
 from .drafter import DFlashDraftModel
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loading import load, load_drafter

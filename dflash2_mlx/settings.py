@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoints.quantize import DraftQuant
+from .formats.quantize import DraftQuant
 
 # oMLX keys this package does not act on; named in `ignored` so nothing is dropped silently.
 _NOT_SUPPORTED = ("dflash_draft_window_size", "dflash_draft_sink_size")

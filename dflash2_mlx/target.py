@@ -15,10 +15,13 @@ it: nothing depends on which forward ran last.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from typing import Callable, Iterator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
     ConcatenateKVCache,
@@ -233,6 +236,12 @@ class Target:
         self.recurrent = {
             i: module for i, layer in enumerate(self.layers) if (module := recurrent.recurrent_module(layer))
         }
+
+    def fingerprint(self) -> str:
+        """Names the target and its tapped layers: weights of the first embedding rows + the layer ids."""
+        h = hashlib.sha256(np.array(self.embed_tokens.weight[:4]).tobytes())
+        h.update(json.dumps([list(self.layer_ids), self.hidden_size, self.num_layers]).encode())
+        return h.hexdigest()[:12]
 
     def head_rows(self, ids: mx.array) -> mx.array:
         """The output projection's rows [n, D] of tokens `ids`, dequantized (tied heads: embedding rows):

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from dflash2_mlx.adaptive import MEASURE_CONTEXT_TOKENS
-from dflash2_mlx.config import DraftConfig
+from dflash2_mlx.formats.config import DraftConfig
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.target import Target
 

@@ -14,8 +14,8 @@ from conftest import LAYOUTS, make_target, synthetic_checkpoint
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.assets import default_drafter
-from dflash2_mlx.checkpoints.hf import convert, export
-from dflash2_mlx.checkpoints.quantize import DraftQuant
+from dflash2_mlx.convert import convert, export
+from dflash2_mlx.formats.quantize import DraftQuant
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.prompts import load_suite
 from dflash2_mlx.reference import draft_logits, load_checkpoint
@@ -102,7 +102,7 @@ def test_quantized_drafters_stay_lossless(smollm2, smollm2_chat, bits):
 
 
 def test_quantization_error_shrinks_with_bits(tmp_path):
-    from dflash2_mlx.checkpoints.quantize import quantize_drafter
+    from dflash2_mlx.formats.quantize import quantize_drafter
 
     src = synthetic_checkpoint(tmp_path / "hf", "dflash2")
     block, ctx = mx.array([[5] + [250] * 7]), mx.random.normal((1, 9, 320), key=mx.random.key(1))

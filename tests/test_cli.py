@@ -208,8 +208,8 @@ def test_info_unpacks_mlx_quantized_weights(bits):
 def test_info_counts_a_quantized_drafter_as_its_source(tmp_path, bits):
     from conftest import synthetic_checkpoint
 
-    from dflash2_mlx.checkpoints.hf import convert
-    from dflash2_mlx.checkpoints.quantize import DraftQuant
+    from dflash2_mlx.convert import convert
+    from dflash2_mlx.formats.quantize import DraftQuant
     from dflash2_mlx.info import drafter_info
 
     src = synthetic_checkpoint(tmp_path / "hf", "dflash2")

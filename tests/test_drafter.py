@@ -12,7 +12,7 @@ from conftest import drafter_config, make_dflash2_drafter, make_drafter, make_ta
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, DraftConfig, load_drafter
-from dflash2_mlx.config import default_target_layer_ids
+from dflash2_mlx.formats.config import default_target_layer_ids
 from dflash2_mlx.drafter import TrainingBlocks
 from dflash2_mlx.loading import bind_drafter
 

@@ -9,7 +9,7 @@ from conftest import make_drafter, make_target
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import generate
-from dflash2_mlx.checkpoints.gguf import load_gguf
+from dflash2_mlx.formats.gguf import load_gguf
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -170,7 +170,7 @@ def test_k_quant_files_are_dequantized_by_llama_cpp_code(tmp_path):
     import gguf
     from gguf.quants import dequantize
 
-    from dflash2_mlx.checkpoints.gguf import read
+    from dflash2_mlx.formats.gguf import read
 
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
@@ -240,7 +240,7 @@ def test_gguf_converts_to_an_mlx_lm_folder(tmp_path, smollm2, smollm2_path):
     """Converted once, the target loads with plain mlx-lm: same logits, same tokenizer."""
     from mlx_lm import load as mlx_lm_load
 
-    from dflash2_mlx.checkpoints.gguf import convert_gguf
+    from dflash2_mlx.formats.gguf import convert_gguf
 
     model, tokenizer = smollm2
     convert_gguf(smollm2_path, tmp_path / "smol")
@@ -257,7 +257,7 @@ def test_gguf_converts_to_an_mlx_lm_folder(tmp_path, smollm2, smollm2_path):
 def test_gguf_convert_float32_is_exact(tmp_path):
     from mlx_lm import load as mlx_lm_load
 
-    from dflash2_mlx.checkpoints.gguf import convert_gguf
+    from dflash2_mlx.formats.gguf import convert_gguf
 
     model = make_target("llama", vocab=len(TOKENS))
     write_gguf(tmp_path / "m.gguf", model, "llama")

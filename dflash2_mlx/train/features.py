@@ -13,7 +13,6 @@ full-vocabulary head, its log-sum-exp and top-k took a third of the fill's time,
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -27,13 +26,6 @@ from .data import Sample, padded_tokens
 # The target's next-token candidates kept per row for distillation: 8 hold nearly all of a chat model's
 # probability mass at a greedy continuation, at 48 bytes a token.
 TEACHER_TOP_K = 8
-
-
-def fingerprint(target: Target) -> str:
-    """Names the target and its tapped layers: weights of the first embedding rows + the layer ids."""
-    h = hashlib.sha256(np.array(target.embed_tokens.weight[:4]).tobytes())
-    h.update(json.dumps([list(target.layer_ids), target.hidden_size, target.num_layers]).encode())
-    return h.hexdigest()[:12]
 
 
 class _ShardFiles:
@@ -89,7 +81,7 @@ class FeatureCache:
             raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
         self.samples, self.teacher = samples, teacher
         self.width = len(target.layer_ids) * target.hidden_size
-        self.folder = Path(folder) / f"features-{fingerprint(target)}"
+        self.folder = Path(folder) / f"features-{target.fingerprint()}"
         self.folder.mkdir(parents=True, exist_ok=True)
         rows = defaultdict(int)
         for s in samples:

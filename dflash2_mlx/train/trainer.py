@@ -31,12 +31,14 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import DraftConfig, default_target_layer_ids
 from ..drafter import DFlashDraftModel, TrainingBlocks
-from ..loading import bind_drafter, resolve_path
+from ..formats.config import DraftConfig, default_target_layer_ids
+from ..formats.vocab import COUNTS_FILE, most_frequent, response_counts, write_draft_vocab
+from ..formats.weights import hf_names, write_weights
+from ..loading import bind_drafter, load_drafter, resolve_path
 from ..sampling import SamplingParams
+from ..sparkline import sparkline
 from ..target import Target
-from ..vocab import COUNTS_FILE, most_frequent, response_counts, write_draft_vocab
 from .data import Sample, padded_tokens, read_shards
 from .features import TEACHER_TOP_K, FeatureCache
 
@@ -343,8 +345,6 @@ class Trainer:
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
         outputs, or continue training a bundled one in a later session."""
-        from ..loading import load_drafter
-
         weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
         weights["fc.weight"] = weights["fc.weight"] / self.feature_scale  # folders take raw features
         # a v1 folder warm-starting a DFlash 2 drafter lacks the DFlash 2 modules, which keep their identity init
@@ -554,8 +554,6 @@ class Trainer:
         """The trained drafter as a drafter folder (Hugging Face layout) that `load` reads."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        from ..checkpoints.hf import hf_names, write_weights
-
         config = self.drafter.config.to_hf_dict()
         config["dtype"] = "float32"
         (folder / "config.json").write_text(json.dumps(config, indent=2))
@@ -626,15 +624,6 @@ def write_curve(path: Path, log: list[dict]) -> None:
             losses = []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
-
-
-def sparkline(values: list[float], lo: float | None = None, hi: float | None = None) -> str:
-    """One block character per value, scaled between `lo` and `hi` (default: the values' min and max)."""
-    bars = "▁▂▃▄▅▆▇█"
-    lo = min(values, default=0) if lo is None else lo
-    hi = max(values, default=0) if hi is None else hi
-    level = lambda v: 0 if hi == lo else min(len(bars) - 1, max(0, round((v - lo) / (hi - lo) * (len(bars) - 1))))
-    return "".join(bars[level(v)] for v in values)
 
 
 def run_seconds(log: list[dict]) -> list[float]:

@@ -19,6 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .shards import read_shards
+
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 COUNTS_FILE = "token_counts.npy"
 
@@ -55,8 +57,6 @@ def check_ids(ids: np.ndarray, where: str, vocab_size: int | None = None) -> np.
 
 def token_counts(folder: str | Path, vocab_size: int | None = None) -> np.ndarray:
     """How often each token id occurs in the training responses of a `dflash2 data` folder."""
-    from .train.data import read_shards
-
     samples = read_shards(folder, heldout=False)
     if not samples:
         raise FileNotFoundError(f"{folder} holds no `dflash2 data` training samples to count tokens in")
@@ -64,7 +64,7 @@ def token_counts(folder: str | Path, vocab_size: int | None = None) -> np.ndarra
 
 
 def response_counts(samples, vocab_size: int | None = None) -> np.ndarray:
-    """How often each token id occurs in the responses of `samples` (`train.data.Sample`s)."""
+    """How often each token id occurs in the responses of `samples` (`shards.Sample`s)."""
     responses = np.concatenate([s.tokens[s.prompt_len :] for s in samples])
     return np.bincount(responses, minlength=vocab_size or 0)
 

@@ -10,7 +10,6 @@ format), tensors under this package's module names (quantized ones as weight/sca
 
 from __future__ import annotations
 
-import glob
 import json
 import shutil
 from pathlib import Path
@@ -19,81 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..config import DraftConfig
-from ..vocab import COUNTS_FILE, DRAFT_VOCAB_FILE, write_draft_vocab
-from .quantize import MIN_QUANTIZED_SIZE, DraftQuant, quantize_drafter
-
-INDEX = "model.safetensors.index.json"
-_READ_RENAMES = (("model.", ""), ("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
-_MUSE_NAMES = (("fc.", "encoder.fc."), ("hidden_norm.", "encoder.output_norm_enc."))
-_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-MAX_SHARD_GB = 5
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint folder: those its index names, else every *.safetensors."""
-    index = path / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is not a safetensors index ({e})") from e
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shard files that are not there: {missing}")
-        return files
-    files = [Path(f) for f in sorted(glob.glob(str(path / "*.safetensors"))) if Path(f).name != DRAFT_VOCAB_FILE]
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in drafter folder {path}")
-    return files
-
-
-def read_weights(path: Path) -> dict[str, mx.array]:
-    """Every tensor of a drafter folder (either layout), under this package's module names."""
-    weights = {}
-    for f in safetensors_files(path):
-        try:
-            tensors = mx.load(str(f))
-        except Exception as e:
-            raise ValueError(f"could not read {f} ({e}): the file is truncated or not safetensors") from e
-        for name, value in tensors.items():
-            for old, new in _READ_RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-            weights[name + ".weight" if name in _CODEBOOKS else name] = value
-    return weights
-
-
-def hf_names(weights: dict[str, mx.array], config: DraftConfig) -> dict[str, mx.array]:
-    """This package's names -> the Hugging Face layout of `config`'s architecture."""
-    out = {}
-    for name, value in weights.items():
-        if name.removesuffix(".weight") in _CODEBOOKS:
-            name = name.removesuffix(".weight")
-        if config.architecture == "MuseGlimmerAssistantModel":
-            for old, new in _MUSE_NAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-        out[name] = value
-    return out
-
-
-def write_weights(path: Path, weights: dict[str, mx.array]) -> None:
-    """safetensors files of at most MAX_SHARD_GB each, with an index when there are several."""
-    from mlx_lm.utils import make_shards
-
-    shards = make_shards(weights, MAX_SHARD_GB)
-    if len(shards) == 1:
-        mx.save_safetensors(str(path / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
-        weight_map.update(dict.fromkeys(shard, name))
-    total = sum(v.nbytes for v in weights.values())
-    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+from .formats.quantize import MIN_QUANTIZED_SIZE, DraftQuant, quantize_drafter
+from .formats.vocab import COUNTS_FILE, write_draft_vocab
+from .formats.weights import INDEX, hf_names, write_weights
+from .loading import load_drafter, resolve_path
 
 
 def _fresh_folder(path: Path, source: Path) -> None:
@@ -117,8 +45,6 @@ def convert(
     """A Hugging Face drafter (folder or hub id) -> an MLX folder that `load_drafter` reads. With
     `quant`, tensors of at least `min_quantized_size` values are quantized; with `draft_vocab` N, the N most
     frequent tokens of `vocab_counts` become its draft vocabulary (see `load_drafter`)."""
-    from ..loading import load_drafter, resolve_path
-
     if dtype == "float16" and not force_float16:
         raise ValueError(
             "float16 drafters overflow to NaN (DFlash 2 logits); convert to bfloat16 or float32, "
@@ -173,8 +99,6 @@ def dequantized(drafter: nn.Module) -> dict[str, mx.array]:
 def export(mlx_path: str, hf_path: str | Path, dtype: str = "bfloat16") -> Path:
     """An MLX folder -> the Hugging Face layout the CUDA engines load (bf16 by default). A quantized
     drafter is written dequantized, and its config says so."""
-    from ..loading import load_drafter, resolve_path
-
     source = resolve_path(mlx_path)
     drafter = load_drafter(str(source), dtype="float32")
     config = json.loads((source / "config.json").read_text())

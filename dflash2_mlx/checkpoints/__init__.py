@@ -1,1 +1,0 @@
-"""Checkpoint formats: reading and writing drafters and targets that come from other engines."""

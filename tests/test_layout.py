@@ -1,0 +1,128 @@
+"""The package's layers, checked from its import graph (parsed, not imported): no import circle; `formats/`
+at the bottom, importing nothing else of the package; `train/` imported only by itself and the commands that
+train (`dflash2 data`, `dflash2 train`); no function-local import of the package's own modules, which would
+hide an edge from this graph (third-party imports may stay lazy where they are heavy or optional)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"dflash2_mlx": ROOT / "dflash2_mlx", "dflash2_apps": ROOT / "apps"}
+TRAIN_USERS = ("dflash2_apps.data", "dflash2_apps.train", "dflash2_apps.cli")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported module of this project, line, whether the import is inside a function or class)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+              for n in ast.walk(f) if n is not f}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for target in candidates:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.append((target, node.lineno, id(node) in nested))
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, int, bool]]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as a path that returns to its start, or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def package_edges(g) -> dict[str, set[str]]:
+    """Edges between modules, without those to a package's own __init__ from inside it (`from . import x`
+    names a sibling module, which `imports` already resolves to the sibling)."""
+    return {m: {t for t, _, _ in targets if not m.startswith(t + ".")} for m, targets in g.items()}
+
+
+def test_no_import_circle():
+    assert cycle(package_edges(graph())) is None
+
+
+def test_formats_import_nothing_above_them():
+    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m.startswith("dflash2_mlx.formats")
+             for t, line, _ in targets if not t.startswith("dflash2_mlx.formats")]
+    assert not wrong
+
+
+def test_train_is_imported_only_by_itself_and_the_training_commands():
+    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items()
+             if not m.startswith("dflash2_mlx.train") and m not in TRAIN_USERS
+             for t, line, _ in targets if t.startswith("dflash2_mlx.train")]
+    assert not wrong
+
+
+def test_no_function_local_import_of_the_package():
+    wrong = [f"{m} line {line}: {t}" for m, targets in graph().items() if m != "dflash2_apps.cli"
+             for t, line, local in targets if local]
+    assert not wrong
+
+
+@pytest.mark.parametrize("mutation", ["circle", "formats", "train", "local"])
+def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
+    """Each rule above fails on a graph with one breach added (the rules are not vacuous)."""
+    real = graph()
+    g = {m: list(t) for m, t in real.items()}
+    if mutation == "circle":
+        g["dflash2_mlx.formats.config"].append(("dflash2_mlx.loading", 1, False))
+        assert cycle(package_edges(g)) is not None
+    elif mutation == "formats":
+        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.formats.vocab": [("dflash2_mlx.target", 1, False)]})
+        with pytest.raises(AssertionError):
+            test_formats_import_nothing_above_them()
+    elif mutation == "train":
+        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.prompts": [("dflash2_mlx.train.data", 1, False)]})
+        with pytest.raises(AssertionError):
+            test_train_is_imported_only_by_itself_and_the_training_commands()
+    else:
+        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.info": [("dflash2_mlx.loading", 9, True)]})
+        with pytest.raises(AssertionError):
+            test_no_function_local_import_of_the_package()
