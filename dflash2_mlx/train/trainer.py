@@ -342,7 +342,7 @@ class Trainer:
 
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
-        outputs, or continue training a bundled one in a later session."""
+        outputs, or continue training a bundled one."""
         from ..loading import load_drafter
 
         weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
