@@ -15,7 +15,7 @@ BINARY = (".npz", ".npy", ".safetensors", ".png", ".jpg", ".gguf")
 PATTERNS = {
     "numbered work period": re.compile(r"\b[Ss]essions?[ -]\d+|\bS\d{1,2}\b"),
     "issue number": re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w&/#])#\d+\b"),
-    "dated report name": re.compile(r"\bbench-s\d+|-s\d+\.(md|json)\b"),
+    "dated report name": re.compile(r"\bbench-s\d+|-s\d+\.(?:md\b|json\b|\{)"),
 }
 
 
@@ -37,6 +37,7 @@ def findings(path: str, text: str) -> list[str]:
     "see bench-s13 for the numbers",
     "`runs/smollm2/bench-s9.md`",
     "run-s12.json has it",
+    "`run-s9.{md,json}`",
     "the S13 report",
 ])
 def test_patterns_flag_work_periods_issues_and_dated_names(line):
