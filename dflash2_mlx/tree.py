@@ -37,8 +37,8 @@ from .selector import Lattice
 V1_TOP_K = 8  # candidates per row for v1 drafters (DFlash 2 drafters use their selector's top-k)
 # The default budget: the most draft nodes (at most TREE_BUDGET_MAX) whose cycle costs at most TREE_COST_SLACK
 # more than the linear cycle at the same block size. Trees of 16 nodes raised teacher-forced tau 18-22% over
-# the linear path even for the weak bundled drafters (runs/smollm2/tree-sim.md), so a 10% dearer cycle is
-# repaid; where the verify curve is flat (Apple silicon) the whole 32 nodes are.
+# the linear path even for weak drafters (runs/smollm2/tree-sim.md), so a 10% dearer cycle is
+# repaid; where the verify curve is flat the whole 32 nodes are (expected on Apple silicon; not measured).
 TREE_BUDGET_MAX = 32
 TREE_COST_SLACK = 0.10
 

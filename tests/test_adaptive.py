@@ -21,7 +21,7 @@ from dflash2_mlx.loading import bind_drafter
 
 generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
 
-# SmolLM2-135M on the development CPU (issue 13): a plain step 72 ms, 5 tokens 107 ms, 8 tokens 123 ms;
+# SmolLM2-135M as once timed on the development CPU: a plain step 72 ms, 5 tokens 107 ms, 8 tokens 123 ms;
 # the drafter pass ~30 ms.
 COSTS = CostModel(verify_s=[0.072, 0.080, 0.088, 0.097, 0.107, 0.113, 0.118, 0.123], draft_s=[0.030] * 7)
 

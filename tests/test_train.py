@@ -346,8 +346,8 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
 
 
 def test_init_from_a_drafter_folder(tmp_path, train_data):
-    """Training can start from a drafter folder (fine-tuning a published drafter, or a later session
-    continuing a bundled one): its shape wins over the settings, and step 0 drafts exactly as it does."""
+    """Training can start from a drafter folder (fine-tuning a published drafter, or continuing a
+    bundled one): its shape wins over the settings, and step 0 drafts exactly as it does."""
     model, folder = train_data
     first = Trainer(model, tmp_path / "a", settings(folder, "dflash2", 6, block_size=5))
     first.run(progress=False)

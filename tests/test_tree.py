@@ -310,7 +310,7 @@ def curve(verify_ms: list[float], draft_ms: float = 10.0, B: int = 8) -> CostMod
 
 
 @pytest.mark.parametrize("verify_ms, budget", [
-    ([100.0] * 33, 32),  # a flat curve (Apple silicon, small targets): the whole 32 nodes
+    ([100.0] * 33, 32),  # a flat curve: the whole 32 nodes
     ([100.0 + 10 * n for n in range(33)], 8),  # each token 10% of a step: one node past the linear block's 7
     ([100.0 + 40 * n for n in range(33)], 7),  # each token 40% of a step: nothing past the linear block's 7
     # linear cycle = 10 + 170 ms, limit 198: 13 tokens (12 nodes) cost 10 + 185, 14 tokens 10 + 200

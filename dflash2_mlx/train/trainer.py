@@ -344,7 +344,7 @@ class Trainer:
 
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
-        outputs, or continue training a bundled one in a later session."""
+        outputs, or continue training a bundled one."""
         weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
         weights["fc.weight"] = weights["fc.weight"] / self.feature_scale  # folders take raw features
         # a v1 folder warm-starting a DFlash 2 drafter lacks the DFlash 2 modules, which keep their identity init
