@@ -391,8 +391,8 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
     for label, drafter in drafters:
         methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
         for B in fixed_block_sizes(drafter, block_sizes):
-            for walk in walks if drafter.config.is_dflash2 else ("greedy",):
-                name = f"{label} B={B}" + (f" {walk}" if drafter.config.is_dflash2 else "")
+            for walk in walks if len(drafter.walks) > 1 else drafter.walks:
+                name = f"{label} B={B}" + (f" {walk}" if len(drafter.walks) > 1 else "")
                 methods.append(Method(name, "dflash", drafter, B, walk, label))
             for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
                 methods.append(Method(f"{label} B={B} ddtree {budget or 'auto'}", "ddtree", drafter, B, "greedy", label,

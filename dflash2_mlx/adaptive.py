@@ -142,7 +142,7 @@ def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> 
     parts = [
         target.fingerprint(), str(weight.dtype), target.model_type, str(target.num_layers),
         f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} "
-        f"{'dflash2' if cfg.is_dflash2 else 'v1'}",
+        f"{drafter.kind}",
         f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),
         platform.machine(), platform.processor() or "", str(os.cpu_count()),
         "metal" if mx.metal.is_available() else "cpu", blas(), backend_name(drafter.metal), mx.__version__,

@@ -5,9 +5,10 @@ It has no embedding table or LM head of its own; `bind` lends it the target's. T
 committed token, and every layer attends to that context through its own k/v projections ("KV injection")
 in front of the block's keys and values. Only context K/V are cached: the block is recomputed every cycle.
 
-DFlash 2 is the same model with two additions switched on by its config: a dynamic short convolution
-around every attention and MLP sublayer (`short_conv.py`), and a path selector that picks the drafts
-from the top-k candidates of each row (`selector.py`).
+DFlash 2 (`DFlash2DraftModel`, with `DFlash2DecoderLayer`s) is the same model with two additions: a dynamic
+short convolution around every attention and MLP sublayer (`short_conv.py`), and a path selector that picks
+the drafts from the top-k candidates of each row (`selector.py`). `DFlashDraftModel.from_config` builds the
+class a config names.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """A DFlash v1 layer: attention with KV injection, then an MLP, each pre-normed with a residual."""
+
     def __init__(self, config: DraftConfig, layer_idx: int):
         super().__init__()
         dim = config.hidden_size
@@ -161,19 +164,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(dim, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
-        if config.is_dflash2:
-            self.attention_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
-            self.mlp_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
-        else:
-            self.attention_conv = self.mlp_conv = None
         self.metal = False  # the drafter's kernels setting (`DFlashDraftModel.use_kernels`)
 
-    @staticmethod
-    def _sublayer(f, xn: mx.array, conv: DynamicShortConv | None) -> mx.array:
-        if conv is None:
-            return f(xn)
-        taps = conv.coefficients(xn)  # both halves from the normed input
-        return conv(f(conv(xn, 0, taps)), 1, taps)
+    def convs(self) -> list[DynamicShortConv]:
+        """The layer's short convolutions (DFlash 2), whose kernel setting follows the drafter's."""
+        return []
 
     def __call__(self, x: mx.array, ctx: mx.array, cache: KVCache | None, training=None) -> mx.array:
         # Decoding on the pure-MLX ops runs the two halves around the attention compiled (the conv's elementwise
@@ -185,17 +180,14 @@ class DecoderLayer(nn.Module):
         return after(x, self.self_attn(attention_input, ctx, cache, training), taps)
 
     def _attention_input(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """(the attention's input, the attention conv's taps; empty without a conv) of the layer input x."""
+        """(the attention's input, the attention conv's taps: empty without a conv) of the layer input x."""
         xn = self.input_layernorm(x)
-        if self.attention_conv is None:
-            return xn, xn[..., :0]
-        taps = self.attention_conv.coefficients(xn)
-        return self.attention_conv(xn, 0, taps), taps
+        return xn, xn[..., :0]
 
     def _attention_output(self, x: mx.array, attended: mx.array, taps: mx.array) -> mx.array:
         """The layer output from its input x and the attention's output."""
-        h = x + (attended if self.attention_conv is None else self.attention_conv(attended, 1, taps))
-        return h + self._sublayer(self.mlp, self.post_attention_layernorm(h), self.mlp_conv)
+        h = x + attended
+        return h + self.mlp(self.post_attention_layernorm(h))
 
     def _compiled(self):
         """The two halves compiled, reading the layer's current weights at each call."""
@@ -203,6 +195,31 @@ class DecoderLayer(nn.Module):
             self.__dict__["_compiled_halves"] = (mx.compile(self._attention_input, inputs=self.state),
                                                  mx.compile(self._attention_output, inputs=self.state))
         return self.__dict__["_compiled_halves"]
+
+
+class DFlash2DecoderLayer(DecoderLayer):
+    """A DFlash 2 layer: each sublayer's input and output pass through a dynamic short convolution whose two
+    taps per channel group come from the sublayer's normed input."""
+
+    def __init__(self, config: DraftConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        dim = config.hidden_size
+        self.attention_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
+        self.mlp_conv = DynamicShortConv(dim, config.conv_kernel_size, config.conv_group_size)
+
+    def convs(self) -> list[DynamicShortConv]:
+        return [self.attention_conv, self.mlp_conv]
+
+    def _attention_input(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        xn = self.input_layernorm(x)
+        taps = self.attention_conv.coefficients(xn)
+        return self.attention_conv(xn, 0, taps), taps
+
+    def _attention_output(self, x: mx.array, attended: mx.array, taps: mx.array) -> mx.array:
+        h = x + self.attention_conv(attended, 1, taps)
+        hn = self.post_attention_layernorm(h)
+        taps = self.mlp_conv.coefficients(hn)  # both halves from the normed input
+        return h + self.mlp_conv(self.mlp(self.mlp_conv(hn, 0, taps)), 1, taps)
 
 
 class _TargetParts:
@@ -217,18 +234,26 @@ class _TargetParts:
 
 
 class DFlashDraftModel(nn.Module):
+    """The DFlash (v1) drafter: it drafts each row's most likely token (or samples each row)."""
+
+    kind = "v1"
+    walks: tuple[str, ...] = ("greedy",)  # how it may pick a block's path (DFlash 2 adds the selector's walks)
+    default_block_cap: int | None = None  # the runtime block size when none is asked for: the trained one
+    layer_class = DecoderLayer
+
+    @staticmethod
+    def from_config(config: DraftConfig) -> "DFlashDraftModel":
+        """The drafter class the config describes (DFlash 2 or v1), built with fresh weights."""
+        return (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
         dim = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * dim, dim, bias=False)
         self.hidden_norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.layer_class(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
-        if config.is_dflash2:
-            self.candidate_selector = CandidateSelector(
-                dim, config.selector_rank, config.selector_top_k, config.vocab_size, config.selector_factorized
-            )
         self._target: _TargetParts | None = None
         self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
         self.use_kernels("auto")
@@ -240,9 +265,8 @@ class DFlashDraftModel(nn.Module):
         self.metal = kernels.use_metal(choice)
         for layer in self.layers:
             layer.metal = self.metal
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                if conv is not None:
-                    conv.metal = self.metal
+            for conv in layer.convs():
+                conv.metal = self.metal
         return self
 
     def bind(
@@ -316,7 +340,7 @@ class DFlashDraftModel(nn.Module):
     def check_walk(self, walk: str) -> None:
         if walk not in WALKS:
             raise ValueError(f"unknown path walk {walk!r}; choose one of {WALKS}")
-        if walk != "greedy" and not self.config.is_dflash2:
+        if walk not in self.walks:
             raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
 
     def propose(
@@ -335,14 +359,46 @@ class DFlashDraftModel(nn.Module):
         vocabulary, if any: `draft_logits`): argmax or samples (v1), or a walk over the path selector's lattice
         (DFlash 2)."""
         finite = mx.all(mx.isfinite(logits))
-        if not self.config.is_dflash2:
-            if params.greedy:
-                return Proposal(self.draft_ids(mx.argmax(logits, axis=-1)), None, None, finite)
-            q = probabilities(logits, params)  # dense: its candidates are every token it may draft
-            candidates = mx.broadcast_to(self.draft_ids(mx.arange(q.shape[-1])), q.shape)
-            return Proposal(self.draft_ids(mx.random.categorical(mx.log(q))), candidates, q, finite)
-        inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed,
-                                                        self._target.vocab_ids)
+        if params.greedy:
+            return Proposal(self.draft_ids(mx.argmax(logits, axis=-1)), None, None, finite)
+        q = probabilities(logits, params)  # dense: its candidates are every token it may draft
+        candidates = mx.broadcast_to(self.draft_ids(mx.arange(q.shape[-1])), q.shape)
+        return Proposal(self.draft_ids(mx.random.categorical(mx.log(q))), candidates, q, finite)
+
+    def tree_lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, v1_top_k: int) -> Lattice:
+        """What a token tree is built from (`tree.py`), arguments as for `choose`: DFlash 2's selector lattice;
+        for v1 drafters each row's top `v1_top_k` draft logits, the same whatever the predecessor."""
+        k = min(v1_top_k, logits.shape[-1])
+        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        unary = mx.take_along_axis(logits, top, axis=-1).astype(mx.float32)
+        return Lattice(self.draft_ids(top), mx.broadcast_to(unary[:, None, :], (top.shape[0], k, k)))
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash 2 drafter: short convolutions in every layer and a path selector that scores pairs of
+    consecutive candidates, walked greedily, by sampling or by the target's rejection rule."""
+
+    kind = "dflash2"
+    walks = WALKS
+    default_block_cap = 5  # min(5, trained), as oMLX's MLX engine runs DFlash 2
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, config: DraftConfig):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(
+            config.hidden_size, config.selector_rank, config.selector_top_k, config.vocab_size,
+            config.selector_factorized,
+        )
+
+    def _lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array):
+        return self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed,
+                                                      self._target.vocab_ids)
+
+    def choose(
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"
+    ) -> Proposal:
+        finite = mx.all(mx.isfinite(logits))
+        inputs = self._lattice_inputs(hidden, logits, anchor)
         if params.greedy:
             idx, q = scored_path(inputs, walk, self.metal)[1], None
         else:
@@ -351,12 +407,4 @@ class DFlashDraftModel(nn.Module):
         return Proposal(tokens, None if q is None else inputs.candidates, q, finite)
 
     def tree_lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, v1_top_k: int) -> Lattice:
-        """What a token tree is built from (`tree.py`), arguments as for `choose`: DFlash 2's selector lattice;
-        for v1 drafters each row's top `v1_top_k` draft logits, the same whatever the predecessor."""
-        if self.config.is_dflash2:
-            selector, parts = self.candidate_selector, self._target
-            return lattice_of(selector.lattice_inputs(hidden, logits, anchor, parts.embed, parts.vocab_ids))
-        k = min(v1_top_k, logits.shape[-1])
-        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
-        unary = mx.take_along_axis(logits, top, axis=-1).astype(mx.float32)
-        return Lattice(self.draft_ids(top), mx.broadcast_to(unary[:, None, :], (top.shape[0], k, k)))
+        return lattice_of(self._lattice_inputs(hidden, logits, anchor))

@@ -83,7 +83,6 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
-DFLASH2_DEFAULT_BLOCK_CAP = 5
 # Adaptive mode's probe cycles (a drafter not worth drafting with is tried again between plain stretches)
 # draft 2 tokens: what a probe costs matters more than how deep it looks.
 ADAPTIVE_PROBE_BLOCK = 3
@@ -95,9 +94,8 @@ def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify
     adaptive mode may go up to the trained size."""
     trained = drafter.config.block_size
     if block_size is None:
-        if verify_mode in ("adaptive", "ddtree") or not drafter.config.is_dflash2:
-            return trained
-        return min(DFLASH2_DEFAULT_BLOCK_CAP, trained)
+        cap = drafter.default_block_cap
+        return trained if verify_mode in ("adaptive", "ddtree") or cap is None else min(cap, trained)
     if not 2 <= block_size <= trained:
         raise ValueError(
             f"block size {block_size} is outside 2..{trained}: a runtime block size can only lower "

@@ -75,7 +75,7 @@ def load_drafter(
     config = DraftConfig.from_path(path)
     raw = json.loads((path / "config.json").read_text())
     weights = read_weights(path)
-    model = DFlashDraftModel(config).use_kernels(kernels)
+    model = DFlashDraftModel.from_config(config).use_kernels(kernels)
     stored_quant = raw.get("mlx", {}).get("quantization")
     if stored_quant:
         stored_quant = DraftQuant.parse(stored_quant)

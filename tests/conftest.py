@@ -134,12 +134,11 @@ def make_drafter(model, seed: int = 1, **kw) -> DFlashDraftModel:
     from dflash2_mlx.loading import bind_drafter
 
     mx.random.seed(seed)
-    drafter = DFlashDraftModel(drafter_config(model, **kw))
+    drafter = DFlashDraftModel.from_config(drafter_config(model, **kw))
     for layer in drafter.layers:
-        for conv in (layer.attention_conv, layer.mlp_conv):
-            if conv is not None:
-                conv.base_kernel = conv.base_kernel + 0.3 * mx.random.normal(conv.base_kernel.shape)
-                conv.kernel_projection.weight = 0.05 * mx.random.normal(conv.kernel_projection.weight.shape)
+        for conv in layer.convs():
+            conv.base_kernel = conv.base_kernel + 0.3 * mx.random.normal(conv.base_kernel.shape)
+            conv.kernel_projection.weight = 0.05 * mx.random.normal(conv.kernel_projection.weight.shape)
     mx.eval(drafter.parameters())
     bind_drafter(drafter, model)
     return drafter

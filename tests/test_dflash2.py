@@ -82,7 +82,7 @@ def test_identity_initialisation_reduces_to_dflash_v1():
     """A new DFlash 2 drafter (identity convs) computes exactly what its v1 twin computes."""
     target = make_target("qwen3")
     v1 = make_drafter(target, seed=4)
-    v2 = DFlashDraftModel(drafter_config(target, **DFLASH2))
+    v2 = DFlashDraftModel.from_config(drafter_config(target, **DFLASH2))
     v2.load_weights([(k, v) for k, v in tree_flatten(v1.parameters())], strict=False)
     bind_drafter(v2, target)
     block, ctx = mx.array([[5, 255, 255, 255]]), mx.random.normal((1, 6, 128), key=mx.random.key(2))

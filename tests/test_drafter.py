@@ -8,12 +8,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
+from conftest import DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, DraftConfig, load_drafter
 from dflash2_mlx.formats.config import default_target_layer_ids
-from dflash2_mlx.drafter import TrainingBlocks
+from dflash2_mlx.drafter import DFlash2DecoderLayer, DFlash2DraftModel, TrainingBlocks
 from dflash2_mlx.loading import bind_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -232,14 +232,32 @@ def test_unknown_architecture():
 
 def test_drafter_must_fit_its_target(target):
     other = make_target("llama", vocab=128)
-    drafter = DFlashDraftModel(drafter_config(target))
+    drafter = DFlashDraftModel.from_config(drafter_config(target))
     with pytest.raises(ValueError, match=r"vocabulary \(256\) differs from the target's \(128\)"):
         bind_drafter(drafter, other)
     with pytest.raises(ValueError, match="mask_token_id 999 is outside"):
-        bind_drafter(DFlashDraftModel(drafter_config(target, mask_token_id=999)), target)
+        bind_drafter(DFlashDraftModel.from_config(drafter_config(target, mask_token_id=999)), target)
     with pytest.raises(ValueError, match="hidden size 32 does not match the target's 64"):
-        bind_drafter(DFlashDraftModel(drafter_config(target, hidden_size=32)), target)
+        bind_drafter(DFlashDraftModel.from_config(drafter_config(target, hidden_size=32)), target)
     with pytest.raises(ValueError, match=r"reads target layers \[7\]"):
-        bind_drafter(DFlashDraftModel(drafter_config(target, target_layer_ids=(1, 7))), target)
+        bind_drafter(DFlashDraftModel.from_config(drafter_config(target, target_layer_ids=(1, 7))), target)
     with pytest.raises(RuntimeError, match="not bound"):
         drafter(block(1, 4), features(2), drafter.make_cache())
+
+
+def test_each_architecture_is_its_own_class():
+    """A config builds its architecture's class: v1 layers carry no convolution and the model no selector
+    (so its weights hold none), DFlash 2 has both; only DFlash 2 accepts the selector's walks."""
+    target = make_target()
+    v1 = DFlashDraftModel.from_config(drafter_config(target))
+    v2 = DFlashDraftModel.from_config(drafter_config(target, **DFLASH2))
+    assert type(v1) is DFlashDraftModel and type(v2) is DFlash2DraftModel
+    assert not any(isinstance(layer, DFlash2DecoderLayer) for layer in v1.layers)
+    assert all(isinstance(layer, DFlash2DecoderLayer) for layer in v2.layers)
+    names = lambda m: {k.split(".")[-2] for k, _ in tree_flatten(m.parameters()) if "." in k}  # noqa: E731
+    assert not names(v1) & {"attention_conv", "mlp_conv", "candidate_selector"}
+    assert {"kernel_projection"} <= names(v2) and any(k.startswith("candidate_selector.")
+                                                       for k, _ in tree_flatten(v2.parameters()))
+    with pytest.raises(ValueError, match="needs a DFlash 2 drafter"):
+        v1.check_walk("viterbi")
+    v2.check_walk("viterbi")

@@ -212,7 +212,7 @@ def test_kernels_setting():
         with pytest.raises(RuntimeError, match="needs Metal.*use --kernels auto or --kernels mlx"):
             drafter.use_kernels("metal")
     drafter.use_kernels("mlx")
-    flags = [drafter.metal] + [m.metal for layer in drafter.layers for m in (layer, layer.attention_conv, layer.mlp_conv)]
+    flags = [drafter.metal] + [m.metal for layer in drafter.layers for m in (layer, *layer.convs())]
     assert flags == [False] * 7
 
 

@@ -288,7 +288,7 @@ class Trainer:
             config = drafter_config(Target(model), settings)
         self.target = Target(model, config.target_layer_ids)
         mx.random.seed(settings.seed)
-        self.drafter = DFlashDraftModel(config)
+        self.drafter = DFlashDraftModel.from_config(config)
         if config.is_dflash2:
             _identity_selector(self.drafter)
         B = settings.block_size
