@@ -7,19 +7,14 @@ rows). After `n` of the pass's rows are accepted, its states are rebuilt for exa
 recurrence is replayed for n steps from the recorded state (no projection is recomputed), and the conv
 state is rows n .. n+K-2 of the recorded conv input. Memory: O(rows of one verify pass) per layer.
 
-Recording needs no patching: a recorded layer is re-classed, for one generation, to a subclass whose
-`__call__` is mlx-lm's own code with `gated_delta_update` rebound (in a private copy of its globals) to a
-recording wrapper, and its `conv1d` child is re-classed to record its input. Nothing is shared with other
-instances, and `Target.capture` restores the classes on exit.
+How a layer is made to record, without changing mlx-lm for anyone else, is in `patches.py`.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Callable, NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
 
 class Recorded(NamedTuple):
@@ -58,68 +53,3 @@ class Recorder:
         seen = Recorded(self.recurrence, self.conv_input, self._update)
         self.recurrence = self.conv_input = None
         return seen
-
-
-def is_recurrent(module: nn.Module) -> bool:
-    """A GatedDeltaNet-style layer: a depthwise conv1d and a delta-rule recurrence in its __call__."""
-    call = type(module).__call__
-    return (
-        isinstance(getattr(module, "conv1d", None), nn.Conv1d)
-        and hasattr(module, "A_log")
-        and "gated_delta_update" in getattr(call, "__globals__", {})
-    )
-
-
-def recurrent_module(layer: nn.Module) -> nn.Module | None:
-    for child in layer.children().values():
-        if isinstance(child, nn.Module) and is_recurrent(child):
-            return child
-    return None
-
-
-def _per_instance_call(cls: type) -> type:
-    """A subclass of `cls` that runs the `__call__` stored on each instance."""
-    return type(cls.__name__, (cls,), {"__call__": lambda self, *a, **k: self.__dict__["_dflash_call"](self, *a, **k)})
-
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-def install(module: nn.Module, recorder: Recorder) -> list[tuple[nn.Module, type]]:
-    """Make `module` and its conv1d record into `recorder`; returns (object, class) pairs to restore."""
-    original = type(module).__call__
-    update = original.__globals__["gated_delta_update"]
-    recorder._update = update
-
-    def recording_update(*args, **kwargs):
-        if recorder.active:
-            padded = args + (None,) * (9 - len(args))  # state and mask may be left to their defaults
-            recorder.recurrence = (padded, kwargs)
-        return update(*args, **kwargs)
-
-    globals_ = {**original.__globals__, "gated_delta_update": recording_update}
-    conv_call = type(module.conv1d).__call__
-
-    def recording_conv(conv, x):
-        if recorder.active:
-            recorder.conv_input = x
-        return conv_call(conv, x)
-
-    calls = [
-        (module, types.FunctionType(original.__code__, globals_, original.__name__, original.__defaults__,
-                                    original.__closure__)),
-        (module.conv1d, recording_conv),
-    ]
-    restore = []
-    for obj, call in calls:
-        cls = type(obj)
-        restore.append((obj, cls))
-        obj.__dict__["_dflash_call"] = call
-        obj.__class__ = _SUBCLASSES.setdefault(cls, _per_instance_call(cls))
-    return restore
-
-
-def uninstall(restore: list[tuple[nn.Module, type]]) -> None:
-    for obj, cls in restore:
-        obj.__class__ = cls
-        obj.__dict__.pop("_dflash_call", None)

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from . import recurrent
+from . import patches, recurrent
 
 _ROLLBACK_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache, ConcatenateKVCache)
 
@@ -104,23 +104,6 @@ def input_embedding_scale(inner: nn.Module) -> float:
         scale, dtype = args.hidden_size**0.5, _SQRT_HIDDEN_EMBEDDINGS[kind]
         return float(mx.array(scale, dtype)) if dtype is not None else float(scale)
     return 1.0
-
-
-_TAPPED_CLASSES: dict[type, type] = {}
-
-
-def _tapped_class(cls: type) -> type:
-    """A subclass of `cls` whose instances record their output in their capture; made once per layer class."""
-    if cls not in _TAPPED_CLASSES:
-
-        def __call__(self, *args, **kwargs):
-            out = cls.__call__(self, *args, **kwargs)
-            capture, i = self.__dict__["_dflash_tap"]
-            capture.outputs[i] = out[0] if isinstance(out, tuple) else out
-            return out
-
-        _TAPPED_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _TAPPED_CLASSES[cls]
 
 
 class Verified(NamedTuple):
@@ -234,7 +217,7 @@ class Target:
         self.embed_scale = input_embedding_scale(inner)
         # layer index -> its GatedDeltaNet module, for hybrid targets
         self.recurrent = {
-            i: module for i, layer in enumerate(self.layers) if (module := recurrent.recurrent_module(layer))
+            i: module for i, layer in enumerate(self.layers) if (module := patches.recurrent_module(layer))
         }
 
     def fingerprint(self) -> str:
@@ -296,30 +279,21 @@ class Target:
         few layers they need are re-classed (per instance) while the block is open, and restored on exit even
         if generation raises. A model already being captured (by another generation) is refused."""
         layers = [self.layers[i] for i in sorted(set(self.layer_ids))]
-        busy = [m for m in layers + list(self.recurrent.values()) if "_dflash_tap" in m.__dict__]
+        busy = [m for m in layers + list(self.recurrent.values()) if patches.is_patched(m)]
         if busy:
             raise RuntimeError(
                 "this model is already being captured by another speculative generation; run generations on "
                 "one model one after the other (or load a second copy of the model)"
             )
-        tap, originals, restore = Capture(self), {}, []
+        tap, restore = Capture(self), []
         try:
             for i, module in self.recurrent.items():
-                module.__dict__["_dflash_tap"] = (tap, i)
-                restore += recurrent.install(module, tap.recorders[i])
+                restore += patches.record_recurrent(module, tap.recorders[i])
             for i in sorted(set(self.layer_ids)):
-                layer = self.layers[i]
-                originals[i] = type(layer)
-                layer.__dict__["_dflash_tap"] = (tap, i)
-                layer.__class__ = _tapped_class(type(layer))
+                restore += patches.tap_layer(self.layers[i], tap, i)
             yield tap
         finally:
-            for i, cls in originals.items():
-                self.layers[i].__class__ = cls
-                self.layers[i].__dict__.pop("_dflash_tap", None)
-            for module in self.recurrent.values():
-                module.__dict__.pop("_dflash_tap", None)
-            recurrent.uninstall(restore)
+            patches.restore(restore)
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits [L, V] for `tokens` [L] (no features: those come from a `capture()`)."""

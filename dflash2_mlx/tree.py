@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from . import patches
 from .sampling import SamplingParams, sample
 from .selector import Lattice
 
@@ -195,11 +196,10 @@ def tree_attention(target, cache: list, tree: Tree):
         return mask
 
     layers = [layer.self_attn for layer in target.layers]
+    restore = []
     try:
-        for c in cache:
-            c.make_mask = make_mask(c)
-        for attn in layers:
-            attn.__dict__["rope"] = _DepthRoPE(attn.rope, depths)
+        restore += patches.set_attributes([(c, "make_mask", make_mask(c)) for c in cache])
+        restore += patches.set_attributes([(attn, "rope", _DepthRoPE(attn.rope, depths)) for attn in layers])
         yield
         # A model that builds its mask or positions some other way would have verified a causal chain, not the
         # tree: refuse rather than commit tokens the target never chose.
@@ -210,10 +210,7 @@ def tree_attention(target, cache: list, tree: Tree):
                 "not support it; use --verify-mode dflash or adaptive"
             )
     finally:
-        for attn in layers:
-            attn.__dict__.pop("rope", None)
-        for c in cache:
-            c.__dict__.pop("make_mask", None)
+        patches.restore(restore)
 
 
 def keep_path_first(cache: list, rows: int, path: list[int]) -> None:

@@ -126,3 +126,17 @@ def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
         monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.info": [("dflash2_mlx.loading", 9, True)]})
         with pytest.raises(AssertionError):
             test_no_function_local_import_of_the_package()
+
+
+PATCHING = ("__class__ =", "types.FunctionType(", ".__globals__", '__dict__["rope"] =', "make_mask =")
+
+
+def test_mlx_lm_is_patched_in_one_module():
+    """Re-classing instances, rebuilding functions over other globals and shadowing model attributes happen in
+    patches.py only (its docstring says what, why and for which mlx-lm)."""
+    wrong = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for name, path in modules().items()
+             if name != "dflash2_mlx.patches"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if any(p in line for p in PATCHING)]
+    assert not wrong
+    assert all(any(p in line for line in (ROOT / "dflash2_mlx" / "patches.py").read_text().splitlines())
+               for p in PATCHING[:3])  # the patterns match how patches.py does it
