@@ -5,7 +5,8 @@ that computes something else here) would otherwise surface in the middle of a ge
 `--kernels auto` each kernel first runs on tiny random inputs in every dtype it takes and is compared with
 its pure-MLX twin; a kernel that fails to build or disagrees is switched off (its pure-MLX op runs instead,
 same results) with one warning naming it, and the others stay on. The checks run once per process (the
-first drafter set to 'auto' on a Metal machine) and take a few milliseconds once the kernels are built.
+first drafter set to 'auto' on a Metal machine): the kernels' first builds, which a generation would pay
+anyway, and a few launches on small inputs.
 `dflash2 info --self-check` prints them. `--kernels metal` skips the check (every kernel, whatever happens);
 `--kernels mlx` runs none.
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
