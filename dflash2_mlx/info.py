@@ -10,9 +10,13 @@ import struct
 from dataclasses import asdict
 from pathlib import Path
 
+import mlx.core as mx
+
+from . import kernel_check
 from .formats.config import DraftConfig
 from .formats.weights import safetensors_files
 from .loading import resolve_path
+from .runtime import runtime_info
 
 COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
 
@@ -87,11 +91,6 @@ def drafter_info(path_or_repo: str) -> dict:
 def self_check_info() -> dict:
     """The Metal kernels' self-check here (`kernel_check`): the machine, and per kernel and dtype whether it
     passed and why not; without Metal, no checks and the pure-MLX path."""
-    import mlx.core as mx
-
-    from . import kernel_check
-    from .runtime import runtime_info
-
     available = mx.metal.is_available()
     checked = kernel_check.results() if available else ()
     return {
