@@ -613,10 +613,13 @@ def _tree_sim(args, model, drafters) -> int:
 def _info_parser(sub) -> None:
     p = sub.add_parser(
         "info",
-        help="a drafter's config and parameter counts per component",
-        description="Show a drafter's configuration and where its parameters are.",
+        help="a drafter's config and parameter counts per component; --self-check: the Metal kernels' check",
+        description="Show a drafter's configuration and where its parameters are; with --self-check, how the "
+        "Metal kernels fare on this machine (each against its pure-MLX op: what a bug report quotes).",
     )
-    p.add_argument("path", help="drafter folder or hub id")
+    p.add_argument("path", nargs="?", help="drafter folder or hub id")
+    p.add_argument("--self-check", action="store_true",
+                   help="run the Metal kernels' self-check and print per kernel and dtype: passed or why not")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_info)
 
@@ -625,8 +628,15 @@ def _run_info(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dflash2_mlx.info import drafter_info
+    from dflash2_mlx.info import drafter_info, format_self_check, self_check_info
 
+    if args.self_check:
+        check = self_check_info()
+        print(json.dumps(check) if args.json else format_self_check(check))
+    if args.path is None:
+        if not args.self_check:
+            raise ValueError("give a drafter folder or hub id (dflash2 info PATH), or --self-check")
+        return 0
     info = drafter_info(args.path)
     if args.json:
         print(json.dumps(info))

@@ -145,7 +145,7 @@ def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> 
         f"{drafter.kind}",
         f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),
         platform.machine(), platform.processor() or "", str(os.cpu_count()),
-        "metal" if mx.metal.is_available() else "cpu", blas(), backend_name(drafter.metal), mx.__version__,
+        "metal" if mx.metal.is_available() else "cpu", blas(), backend_name(drafter.metal_kernels), mx.__version__,
     ]
     return " | ".join(parts)
 

@@ -98,7 +98,7 @@ def dflash_steps(
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
             # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
-            accepted, bonus = accept(proposal, verified.logits, params, drafter.metal)
+            accepted, bonus = accept(proposal, verified.logits, params, "accept_greedy" in drafter.metal_kernels)
             # The only device -> host transfer of the cycle.
             head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
             result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
+from . import kernel_check
 from .formats.config import DraftConfig
 from .sampling import Proposal, SamplingParams, probabilities
 from .selector import WALKS, CandidateSelector, Lattice, lattice_of, scored_path, walk_sampled
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(dim, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
-        self.metal = False  # the drafter's kernels setting (`DFlashDraftModel.use_kernels`)
+        self.metal = False  # the conv kernel on (`DFlashDraftModel.use_kernels`)
 
     def convs(self) -> list[DynamicShortConv]:
         """The layer's short convolutions (DFlash 2), whose kernel setting follows the drafter's."""
@@ -260,13 +260,16 @@ class DFlashDraftModel(nn.Module):
 
     def use_kernels(self, choice: str = "auto") -> "DFlashDraftModel":
         """Run the hot ops of the DFlash 2 cycle (the short convolution, the path selector, greedy acceptance)
-        as fused Metal kernels or as pure MLX, with the same results: 'auto' (the kernels where Metal is
-        available), 'metal' (the kernels, or an error without Metal) or 'mlx'. `self.metal` says which."""
-        self.metal = kernels.use_metal(choice)
+        as fused Metal kernels or as pure MLX, with the same results: 'auto' (where Metal is available, the
+        kernels that pass their one-time self-check, `kernel_check`), 'metal' (every kernel, or an error without
+        Metal) or 'mlx'. `self.metal_kernels` names the kernels on; `self.metal` says whether any is."""
+        self.metal_kernels = kernel_check.enabled(choice)
+        self.metal = bool(self.metal_kernels)
+        conv_kernel = "dynamic_conv" in self.metal_kernels
         for layer in self.layers:
-            layer.metal = self.metal
+            layer.metal = conv_kernel
             for conv in layer.convs():
-                conv.metal = self.metal
+                conv.metal = conv_kernel
         return self
 
     def bind(
@@ -400,7 +403,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         finite = mx.all(mx.isfinite(logits))
         inputs = self._lattice_inputs(hidden, logits, anchor)
         if params.greedy:
-            idx, q = scored_path(inputs, walk, self.metal)[1], None
+            idx, q = scored_path(inputs, walk, "lattice_path" in self.metal_kernels)[1], None
         else:
             idx, q = walk_sampled(lattice_of(inputs), params)
         tokens = mx.take_along_axis(inputs.candidates, idx[:, None], axis=-1)[:, 0]

@@ -1,5 +1,6 @@
 """Where a drafter's parameters are, per component (as the DFlash 2 write-up reports them), read from
-the safetensors headers alone: no tensor is loaded, so it is instant even for multi-GB drafters."""
+the safetensors headers alone: no tensor is loaded, so it is instant even for multi-GB drafters. And the
+Metal kernels' self-check on this machine (`dflash2 info --self-check`, for bug reports)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import struct
 from dataclasses import asdict
 from pathlib import Path
 
+import mlx.core as mx
+
+from . import kernel_check
 from .formats.config import DraftConfig
 from .formats.weights import safetensors_files
 from .loading import resolve_path
+from .runtime import runtime_info
 
 COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
 
@@ -81,3 +86,35 @@ def drafter_info(path_or_repo: str) -> dict:
         "config": cfg,
         "parameters": parameter_counts({k: v["shape"] for k, v in header.items()}, bits),
     }
+
+
+def self_check_info() -> dict:
+    """The Metal kernels' self-check here (`kernel_check`): the machine, and per kernel and dtype whether it
+    passed and why not; without Metal, no checks and the pure-MLX path."""
+    available = mx.metal.is_available()
+    checked = kernel_check.results() if available else ()
+    return {
+        "metal_available": available,
+        "device": mx.device_info().get("device_name", "unknown"),
+        "runtime": runtime_info("auto"),  # its "kernels": what --kernels auto runs after the check
+        "checks": [r._asdict() for r in checked],
+    }
+
+
+def format_self_check(record: dict) -> str:
+    """`self_check_info` as plain text (what a bug report quotes)."""
+    rt = record["runtime"]
+    lines = [f"Metal kernels self-check: {record['device']}, {rt['machine']}, mlx {rt['mlx']}, python {rt['python']}"]
+    if not record["metal_available"]:
+        lines.append("Metal is not available here (mx.metal.is_available() is False): nothing to check; "
+                     "--kernels auto runs the pure-MLX ops, --kernels metal is refused.")
+        return "\n".join(lines)
+    width = max(len(c["kernel"]) for c in record["checks"])
+    for c in record["checks"]:
+        detail = c["reason"] or ("max |diff| " + (f"{c['max_diff']:.3g}" if c["max_diff"] is not None else "-"))
+        lines.append(f"  {c['kernel']:<{width}}  {c['dtype']:<8}  {'passed' if c['ok'] else 'FAILED'}  {detail}")
+    lines.append(f"--kernels auto runs: {rt['kernels']}")
+    if not all(c["ok"] for c in record["checks"]):
+        lines.append("failed kernels are switched off (their pure-MLX ops run, same results); --kernels mlx turns "
+                     "every kernel off")
+    return "\n".join(lines)

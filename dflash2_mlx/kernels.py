@@ -2,7 +2,8 @@
 
 Each kernel has a pure-MLX twin where the op lives (`short_conv.dynamic_conv`, `selector.scored_path`,
 `sampling.accept_greedy`); those call in here when told to (their `metal` argument). Which a drafter runs is
-its own setting (`DFlashDraftModel.use_kernels`; `--kernels` on the command line). The kernel bodies are the
+its own setting (`DFlashDraftModel.use_kernels`; `--kernels` on the command line); under 'auto' only the kernels
+that pass `kernel_check`'s self-check on this machine. The kernel bodies are the
 `.metal` files of the `dflash2_metal` package (the repository's `metal/`). Every launch is described by a
 `Launch` before it runs, so the tests can hand the very same launch to the CPU emulator of
 `tests/metal_emulation`.
@@ -24,6 +25,7 @@ SIGNATURES = {
     "lattice_path": (("unary", "pred_rows", "h", "succ"), ("scores", "path"), "simd_argmax.h"),
     "accept_greedy": (("drafts", "logits"), ("accepted", "bonus"), "simd_argmax.h"),
 }
+NAMES = tuple(SIGNATURES)
 # the fixed-size threadgroup arrays of lattice_path.metal
 MAX_ROWS, MAX_K, MAX_RANK = 16, 16, 256
 
@@ -34,15 +36,20 @@ def use_metal(choice: str = "auto") -> bool:
     if choice not in BACKENDS:
         raise ValueError(f"unknown kernels setting {choice!r}; choose one of {BACKENDS}")
     if choice == "metal" and not mx.metal.is_available():
-        raise RuntimeError(
+        raise ValueError(
             "--kernels metal needs Metal, which this machine does not have (mx.metal.is_available() is "
             "False); use --kernels auto or --kernels mlx to run the pure-MLX ops"
         )
     return choice == "metal" or (choice == "auto" and mx.metal.is_available())
 
 
-def backend_name(metal: bool) -> str:
-    """What the hot ops run on, for reports: 'Metal' or 'pure-MLX'."""
+def backend_name(metal: bool | frozenset[str]) -> str:
+    """What the hot ops run on, for reports: 'Metal' or 'pure-MLX'; for a set of kernel names (those on),
+    also 'Metal (lattice_path: pure-MLX)' when some are off."""
+    if isinstance(metal, (set, frozenset)):
+        off = [name for name in NAMES if name not in metal]
+        if metal and off:
+            return f"Metal ({', '.join(off)}: pure-MLX)"
     return "Metal" if metal else "pure-MLX"
 
 

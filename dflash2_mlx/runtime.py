@@ -7,7 +7,8 @@ import sys
 
 import mlx.core as mx
 
-from .kernels import backend_name, use_metal
+from .kernel_check import enabled
+from .kernels import backend_name
 
 
 def blas() -> str:
@@ -27,7 +28,7 @@ def runtime_info(kernels: str = "auto") -> dict:
         "mlx": mx.__version__,
         "backend": "metal" if mx.metal.is_available() else "cpu",
         "blas": blas(),
-        "kernels": backend_name(use_metal(kernels)),
+        "kernels": backend_name(enabled(kernels)),
         "machine": f"{platform.system()} {platform.machine()}",
         "python": platform.python_version(),
     }

@@ -89,7 +89,7 @@ def accept(
     `accepted` drafts and then the bonus; they follow the target's distribution exactly (its argmax at
     T = 0). A proposal with non-finite draft logits is rejected outright, so the cycle commits the
     target's own token at row 0, which is what the rule draws for row 0 anyway: no extra work.
-    `metal`: greedy acceptance as one Metal kernel (the drafter's kernels setting, `drafter.metal`).
+    `metal`: greedy acceptance as one Metal kernel (the drafter's kernels setting, `drafter.metal_kernels`).
     """
     if params.greedy:
         # No argmax equals V: a non-finite proposal gets accepted = 0 and row 0's argmax.

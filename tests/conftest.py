@@ -54,6 +54,16 @@ TARGET_CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_kernel_check():
+    """Every test starts without the Metal kernels' self-check results (they are kept per process)."""
+    from dflash2_mlx import kernel_check
+
+    kernel_check.clear()
+    yield
+    kernel_check.clear()
+
+
 def target_config(arch: str, vocab: int = 256, tied: bool = True, layers: int = 4) -> dict:
     return dict(
         hidden_size=HIDDEN,

@@ -209,11 +209,14 @@ def test_kernels_setting():
     drafter = make_dflash2_drafter(make_target())
     assert drafter.metal == mx.metal.is_available()  # a new drafter is 'auto'
     if not mx.metal.is_available():
-        with pytest.raises(RuntimeError, match="needs Metal.*use --kernels auto or --kernels mlx"):
+        with pytest.raises(ValueError, match="needs Metal.*use --kernels auto or --kernels mlx"):
             drafter.use_kernels("metal")
     drafter.use_kernels("mlx")
     flags = [drafter.metal] + [m.metal for layer in drafter.layers for m in (layer, *layer.convs())]
-    assert flags == [False] * 7
+    assert flags == [False] * 7 and drafter.metal_kernels == frozenset()
+    assert kernels.backend_name(frozenset(kernels.NAMES)) == "Metal"
+    assert kernels.backend_name(frozenset({"dynamic_conv"})) == "Metal (lattice_path, accept_greedy: pure-MLX)"
+    assert kernels.backend_name(frozenset()) == "pure-MLX"
 
 
 @emulated
@@ -225,7 +228,8 @@ def test_a_drafters_kernels_setting_reaches_every_op_of_the_decode_loop(tokenize
     metal, pure = make_dflash2_drafter(model), make_dflash2_drafter(model)
     with monkeypatch.context() as m:
         m.setattr(mx.metal, "is_available", lambda: True)
-        metal.use_kernels("metal")
+        metal.use_kernels("metal")  # every kernel, unchecked
+    assert metal.metal_kernels == {"dynamic_conv", "lattice_path", "accept_greedy"}
     pure.use_kernels("mlx")
     launched = []
     monkeypatch.setattr(kernels.Launch, "run", lambda launch: launched.append(launch.name) or emulate(launch))
