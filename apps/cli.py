@@ -615,12 +615,22 @@ def _info_parser(sub) -> None:
         help="a drafter's config and parameter counts per component",
         description="Show a drafter's configuration and where its parameters are.",
     )
-    p.add_argument("path", help="drafter folder or hub id")
+    p.add_argument("path", nargs="?", help="drafter folder or hub id")
+    p.add_argument("--assets", action="store_true", help="instead: the downloaded models and data, where each is "
+                   "installed and whether it matches its pinned sha256 (exit status 1 when one does not)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_info)
 
 
 def _run_info(args) -> int:
+    if args.assets or not args.path:
+        from dflash2_mlx import pins
+
+        if not args.assets:
+            raise ValueError("give a drafter folder or hub id, or --assets")
+        rows = pins.status()
+        print(json.dumps(rows) if args.json else pins.format_status(rows))
+        return 1 if any(r["state"] == "mismatch" for r in rows) else 0
     from rich.console import Console
     from rich.table import Table
 
