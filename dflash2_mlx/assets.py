@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from . import pins
-from .pins import cache_dir  # noqa: F401  (the cache folder, here for its callers)
+from .pins import cache_dir  # the cache folder (adaptive.py's costs too)
 
 logger = logging.getLogger(__name__)
 
