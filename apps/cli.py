@@ -620,11 +620,19 @@ def _info_parser(sub) -> None:
     p.add_argument("path", nargs="?", help="drafter folder or hub id")
     p.add_argument("--self-check", action="store_true",
                    help="run the Metal kernels' self-check and print per kernel and dtype: passed or why not")
+    p.add_argument("--assets", action="store_true", help="instead: the downloaded models and data, where each is "
+                   "installed and whether it matches its pinned sha256 (exit status 1 when one does not)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_info)
 
 
 def _run_info(args) -> int:
+    if args.assets:
+        from dflash2_mlx import pins
+
+        rows = pins.status()
+        print(json.dumps(rows) if args.json else pins.format_status(rows))
+        return 1 if any(r["state"] == "mismatch" for r in rows) else 0
     from rich.console import Console
     from rich.table import Table
 
@@ -635,7 +643,7 @@ def _run_info(args) -> int:
         print(json.dumps(check) if args.json else format_self_check(check))
     if args.path is None:
         if not args.self_check:
-            raise ValueError("give a drafter folder or hub id (dflash2 info PATH), or --self-check")
+            raise ValueError("give a drafter folder or hub id (dflash2 info PATH), --self-check or --assets")
         return 0
     info = drafter_info(args.path)
     if args.json:

