@@ -13,12 +13,32 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import stream_generate as mlx_stream
+from mlx_lm.sample_utils import make_sampler
+from rich.progress import Progress
 
-from dflash2_mlx.sparkline import sparkline
+from dflash2_apps.bench_report import render, report_console, report_json
+from dflash2_apps.common import KERNELS_HELP
+from dflash2_apps.compare import load_comparison, render_comparison
+from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
+from dflash2_apps.tree_sim import tree_sim
+from dflash2_mlx import stream_generate
+from dflash2_mlx.adaptive import load_or_measure_costs
+from dflash2_mlx.assets import default_drafter
+from dflash2_mlx.generate import resolve_block_size
+from dflash2_mlx.kernels import use_metal
+from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+from dflash2_mlx.prompts import SUITES, load_suite
+from dflash2_mlx.runtime import runtime_info
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
 
 @dataclass
@@ -49,11 +69,6 @@ class Run:
 def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
                classic_draft=None) -> Run:
     """One generation; tokens exclude EOS so every method is compared on the same footing."""
-    from mlx_lm import stream_generate as mlx_stream
-    from mlx_lm.sample_utils import make_sampler
-
-    from dflash2_mlx import stream_generate
-
     eos = set(tokenizer.eos_token_ids)
     if method.kind == "peer":
         seed = int(mx.random.randint(0, 1 << 30, ()).item())  # follows the trial's seed, as ours do
@@ -162,10 +177,6 @@ def cost_curves(model, methods: list[Method]) -> list[dict]:
     """The measured cost model behind each adaptive row (the physical limit of drafting on this machine) and
     behind each ddtree row left to the default budget (the verify curve to TREE_BUDGET_MAX + 1 tokens, and the
     budget it picks)."""
-    from dflash2_mlx.adaptive import load_or_measure_costs
-    from dflash2_mlx.loading import bind_drafter
-    from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
-
     curves, seen = [], set()
     for m in methods:
         tree = m.kind == "ddtree" and m.tree_budget is None
@@ -192,9 +203,6 @@ def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 10) -> 
         return t["draft_s"], t["verify_s"]
     if method.kind != "dflash":
         return None
-    from dflash2_mlx.loading import bind_drafter
-    from dflash2_mlx.sampling import SamplingParams
-
     drafter, B = method.drafter, method.block_size
     target = bind_drafter(drafter, model)
     cache, draft_cache = target.make_cache(), drafter.make_cache()
@@ -231,10 +239,6 @@ def add_cycle_parts(row: dict, parts: list[tuple[float, float]]) -> None:
 
 def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max_tokens: int, trials: int,
           temps: list[float], classic_draft=None, progress: bool = True) -> dict:
-    from rich.progress import Progress
-
-    from .peers import PeerError
-
     def attempt(m: Method, run, *args):
         """run(m, *args), except that a peer failing makes its method a row that says why."""
         if m.kind == "peer" and m.peer is None:
@@ -286,105 +290,6 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
     ]}
 
 
-# -- report -------------------------------------------------------------------------------------------------
-
-
-def _bar(value: float, scale: float, width: int = 30) -> str:
-    n = max(0, min(width, round(value / scale * width))) if scale else 0
-    return "█" * n + "·" * (width - n)
-
-
-def report_console():
-    """A console as wide as the terminal, or wide enough for the tables when the output is a file."""
-    import sys
-
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 150)
-
-
-def render(report: dict, console=None) -> str:
-    """Rich tables and bars on the console; returns the same report as markdown to paste into an issue."""
-    from rich.table import Table
-
-    console = console or report_console()
-    ctx = report["context"]
-    head = (f"{ctx['target']} | {ctx['runtime']['backend']} ({ctx['runtime']['machine']}), MLX {ctx['runtime']['mlx']}, "
-            f"BLAS {ctx['runtime']['blas']}, kernels {ctx['runtime']['kernels']}, {ctx['dtype']} | "
-            f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
-    console.print(f"[bold]dflash2 bench[/] {head}")
-    columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
-               "draft %", "ms/cycle (rest)", "lossless", "accepted by position"]
-    table = Table(*columns)
-    table.columns[12].no_wrap = True
-    md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    notes = {}  # note -> the methods it is about
-    for r in report["results"]:
-        if r.get("note"):
-            notes.setdefault(r["note"], []).append(r["method"])
-        if r["generation_tps_median"] is None:  # a peer that cannot run: the note says why
-            row = [r["method"], f"{r['temperature']:g}"] + ["-"] * 10 + ["cannot run (see note)", ""]
-        else:
-            row = [
-                r["method"], f"{r['temperature']:g}", f"{r['generation_tps_median']:.1f}",
-                f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
-                f"{r['speedup']:.2f}x" if r["speedup"] else "-",
-                f"{r['tau']:.2f}" if r["tau"] else "-",
-                f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
-                f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
-                f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
-                f"{r['cycle_ms']:.1f} ({r['overhead_ms']:.1f})" if r.get("overhead_ms") is not None else "-",
-                {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
-                sparkline(r["acceptance_by_position"], 0.0, 1.0),
-            ]
-        md.append("| " + " | ".join(row) + " |")
-        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
-        table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
-    console.print(table)
-    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
-             f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
-    if split:
-        lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
-                 "alone in steady state, right after each trial's runs):", *split]
-        console.print("\n  ".join(lines), markup=False, highlight=False)
-        md.append("\n" + "\n".join(f"- {x}" if i else x for i, x in enumerate(lines)))
-    for note, methods in notes.items():
-        line = f"{', '.join(dict.fromkeys(methods))}: {note}"
-        console.print(line, markup=False, highlight=False)
-        md.append(f"\n{line}")
-    top = max((r["speedup"] or 0) for r in report["results"]) or 1
-    console.print("[bold]speedup over mlx-lm[/] (same run)")
-    width = max(len(r["method"]) for r in report["results"])
-    for r in report["results"]:
-        if r["speedup"]:
-            console.print(f"  {r['method']:{width}s} T={r['temperature']:<4g}{_bar(r['speedup'], top)} {r['speedup']:.2f}x")
-    for r in report["results"]:
-        if r["acceptance_by_position"]:
-            profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
-            md.append(f"\n{r['method']} T={r['temperature']:g} accepted by position 1..{len(r['acceptance_by_position'])}: "
-                      f"{profile}")
-    for c in report.get("costs", []):
-        line = (f"cost curve with {c['drafter']} (target forward over n tokens / one plain step, n = 1..): "
-                + " ".join(f"{x:.2f}" for x in c["verify_steps"])
-                + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
-                f"{1000 * c['step_s']:.0f} ms"
-                + (f"; default tree budget at B={c['block_size']}: {c['tree_budget']} nodes"
-                   if c.get("tree_budget") else ""))
-        console.print(line, markup=False, highlight=False)
-        md.append(f"\n{line}")
-    sample = report.get("sample_output")
-    if sample:
-        text = " ".join(sample["text"].split())
-        text = text[:200] + (" ..." if len(text) > 200 else "")
-        line = f"{report['results'][0]['method']} output of prompt 1 (T={sample['temperature']:g}): {text}"
-        console.print(line, markup=False, highlight=False)
-        md.append(f"\n{line}")
-    for e in report["errors"]:
-        console.print(f"[bold red]error:[/] {e}")
-        md.append(f"\n**error:** {e}")
-    return "\n".join(md) + "\n"
-
-
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
                 walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int | None, ...] = ()) -> list[Method]:
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
@@ -405,8 +310,6 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
 
 def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
     """The block sizes of a drafter's fixed-block rows: those asked for that it can run, else its default."""
-    from dflash2_mlx.generate import resolve_block_size
-
     sizes = block_sizes or [None]
     return [resolve_block_size(drafter, B) for B in sizes if B is None or B <= drafter.config.block_size]
 
@@ -422,5 +325,113 @@ def peer_methods(peers: list, drafters: list[tuple[str, object]], block_sizes: l
     return methods
 
 
-def report_json(report: dict) -> str:
-    return json.dumps(report, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="compare tokens/s of every decoding method side by side, in one process, with a lossless check",
+        description="Run mlx-lm's generation, plain decoding through our loop, mlx-lm's classic speculative "
+        "decoding (--baseline-draft-model) and each DFlash drafter (each block size; DFlash 2 with both walks), "
+        "trial by trial after a warm-up, and report tokens/s, speedup, acceptance, memory and a token-hash check.",
+    )
+    p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", action="append", default=[],
+                   help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
+    p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math; comma-separated) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--block-sizes", help="comma-separated runtime block sizes (default: each drafter's default)")
+    p.add_argument("--temp", type=float, action="append", help="temperature (repeatable; default 0)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
+    p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
+    p.add_argument("--walk", action="append", choices=["greedy", "viterbi"],
+                   help="DFlash 2 path walks to bench (repeatable; default both)")
+    p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
+    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
+    p.add_argument("--compare", metavar="FILE",
+                   help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
+                   "SGLang responses (JSONL), or 'published'")
+    p.add_argument("--tree-sim", metavar="DATA",
+                   help="instead of timing: teacher-forced tau of the linear path and of ddtree trees per budget, on "
+                   "the held-out samples of this `dflash2 data` folder (greedy responses of this target)")
+    p.add_argument("--tree-budgets",
+                   help="comma-separated tree budgets: a ddtree row per budget (at each block size; 'auto': the "
+                   "default budget from this machine's costs), or the columns of --tree-sim (default there: "
+                   "1,2,4,8,16,32)")
+    p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
+    p.add_argument("--engines", metavar="LIST",
+                   help="peer engines to add rows for, each in its own process with the same target, drafters and "
+                   "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated")
+    p.add_argument("--peer-python", metavar="PYTHON",
+                   help="the interpreter the peer engines are installed in (default: this one), e.g. a venv's "
+                   "bin/python, so their pinned dependencies stay out of this environment")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.compare:  # fail on a bad comparison file before spending time on the runs
+        load_comparison(args.compare)
+    engines = parse_engines(args.engines)
+    if args.peer_python and not engines:
+        raise ValueError("--peer-python goes with --engines (the peer engines it runs)")
+    peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
+    use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
+    if args.quick:
+        args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
+    model, tokenizer = load_target(args.model, args.dtype)
+    if not args.model and not args.draft_model:
+        args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
+    drafters, sources = [], []
+    for path in args.draft_model:
+        drafter = load_drafter(path, kernels=args.kernels)
+        bind_drafter(drafter, model)
+        label = path.rstrip("/").split("/")[-1]
+        if label in {name for name, _ in drafters}:
+            label = f"{label}#{len(drafters) + 1}"
+        drafters.append((label, drafter))
+        sources.append(path)
+    classic = load_target(args.baseline_draft_model, args.dtype)[0] if args.baseline_draft_model else None
+    texts = []
+    for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
+        texts += load_suite(suite, args.num_prompts)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
+    ]
+    if args.tree_sim:
+        return tree_sim(args, model, drafters)
+    sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
+    budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
+    methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
+    peers = Peers()
+    try:
+        if engines:
+            started = peers.start(engines, peer_python, args.model, args.dtype, model,
+                                  [(label, d, src) for (label, d), src in zip(drafters, sources)])
+            methods += peer_methods(started, drafters, sizes)
+        report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
+    finally:
+        peers.close()
+    weights = [v for _, v in tree_flatten(model.parameters())]
+    report["context"] = {
+        "target": args.model or "SmolLM2-135M-Instruct (default)",
+        "drafters": [label for label, _ in drafters],
+        "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
+        "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
+        "runtime": runtime_info(args.kernels), "engines": engines, "peer_python": peer_python if engines else None,
+    }
+    console = report_console()
+    markdown = render(report, console)
+    if args.compare:
+        report["compare"] = load_comparison(args.compare)
+        markdown += render_comparison(report["compare"], report["results"], console)
+    if args.json:
+        Path(args.json).write_text(report_json(report))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown)
+    return 1 if report["errors"] else 0

@@ -6,9 +6,11 @@ so only the new message is prefilled: the caches of everything before it are reu
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
+from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
 from dflash2_mlx.generate import summarize
 
@@ -19,8 +21,6 @@ def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reu
          read=input, out=sys.stdout, err=sys.stderr) -> list[dict]:
     """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s; `reuse`
     keeps the conversation's caches from turn to turn (a `PromptCache`)."""
-    from dflash2_apps.cli import _summary
-
     opening = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages, cache = list(opening), PromptCache() if reuse else None
     print(f"[dflash2] {HELP}", file=err)
@@ -56,5 +56,26 @@ def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reu
         result = summarize(records, drafter, kwargs.get("block_size"))
         messages.append({"role": "assistant", "content": result.text})
         reused = f"{cache.reused} of {result.prompt_tokens} prompt tokens from the cache" if cache else "no cache"
-        print(f"{_summary(result)} | TTFT {ttft * 1000:.0f} ms, {reused}", file=err, flush=True)
+        print(f"{common.summary(result)} | TTFT {ttft * 1000:.0f} ms, {reused}", file=err, flush=True)
     return messages
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="an interactive chat in the terminal, keeping the conversation and its caches",
+        description="Chat with the target, speculatively with a DFlash drafter. Each turn reuses the caches of "
+        "the conversation so far and prints its acceptance summary. 'q' quits, 'r' starts a new conversation.",
+    )
+    common.add_model_args(p)
+    common.add_sampling_args(p)
+    p.add_argument("--system-prompt", help="a system message opening the conversation")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the conversation's caches from turn to turn")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    model, tokenizer, drafter = common.load_pair(args)
+    repl(model, tokenizer, drafter, common.generation_kwargs(args), args.system_prompt, args.prompt_cache)
+    return 0

@@ -14,7 +14,9 @@ import time
 from functools import partial
 
 import mlx.core as mx
+from rich.table import Table
 
+from dflash2_apps.bench_report import report_console
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.sampling import accept_greedy
 from dflash2_mlx.selector import LatticeInputs, scored_path
@@ -62,10 +64,6 @@ def agree(a: list[mx.array], b: list[mx.array]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rich.table import Table
-
-    from dflash2_apps.bench import report_console
-
     parser = argparse.ArgumentParser(prog="python -m dflash2_apps.kernel_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",

@@ -20,6 +20,8 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from dflash2_mlx.prompts import load_suite
+
 FOLLOW_UPS = ["Can you say that more briefly?", "Give one more example.", "Why is that?"]
 
 
@@ -73,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="math", help="a prompt suite (math, chat, code) or a JSONL file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     args = p.parse_args(argv)
-    from dflash2_mlx.prompts import load_suite
-
     prompts = load_suite(args.prompts)
     url = urlparse(args.url)
     host, port = url.hostname, url.port or 80

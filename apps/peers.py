@@ -28,6 +28,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+from dflash2_mlx.assets import default_target
+from dflash2_mlx.convert import dequantized
+from dflash2_mlx.formats.gguf import convert_gguf
+from dflash2_mlx.formats.weights import hf_names, write_weights
+from dflash2_mlx.loading import resolve_path
+from dflash2_mlx.target import Target
+
 ENGINES = {  # name -> what to install, for the message when it is missing
     "dflash": "dflash==0.1.0",
     "dflash-mlx": "dflash-mlx==0.1.8",
@@ -103,19 +113,11 @@ class PeerWorker:
 def target_folder(model_arg: str | None, dtype: str | None, folder: Path) -> tuple[str, str | None]:
     """(an mlx-lm folder of the bench's target, the dtype the peer should cast it to): a GGUF target is
     converted as `load_target` reads it (float32 on CPUs unless --dtype says otherwise)."""
-    import mlx.core as mx
-
-    from dflash2_mlx.assets import default_target
-    from dflash2_mlx.formats.gguf import convert_gguf
-    from dflash2_mlx.loading import resolve_path
-
     source = str(model_arg or default_target())
     if source.endswith(".gguf"):
         if dtype is None and not mx.metal.is_available():
             dtype = "float32"
         return str(convert_gguf(resolve_path(source), folder / "target", dtype)), None
-    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
     return str(resolve_path(source, allow_patterns=DEFAULT_ALLOW_PATTERNS)), dtype
 
 
@@ -123,13 +125,6 @@ def published_drafter(drafter, model, source: str, out: Path) -> str:
     """`drafter` (loaded from the folder `source` and bound to `model`) in the published layout, float32, into
     `out`; a factorised selector's codebooks are expanded to V x R tables (the target's embedding of every
     token times the projection: the very codes ours computes per token). Returns what the row should say."""
-    import mlx.core as mx
-
-    from dflash2_mlx.convert import dequantized
-    from dflash2_mlx.formats.weights import hf_names, write_weights
-    from dflash2_mlx.loading import resolve_path
-    from dflash2_mlx.target import Target
-
     weights = {k: v.astype(mx.float32) for k, v in dequantized(drafter).items()}
     config = json.loads((resolve_path(source) / "config.json").read_text())
     config.pop("mlx", None)

@@ -14,12 +14,14 @@ timeout passes; the generation is always closed, which releases the model's capt
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
 import queue
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +29,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx.assets import DEFAULT_TARGET_NAME
 from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
@@ -546,3 +550,61 @@ def make_server(app: App) -> ThreadingHTTPServer:
     server = ThreadingHTTPServer((app.settings.host, app.settings.port), handler)
     server.daemon_threads = False
     return server
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and text completions, streaming or not)",
+        description="Serve the target, speculatively with a DFlash drafter, over OpenAI's API: POST "
+        "/v1/chat/completions and /v1/completions, GET /v1/models and /health. The generation flags are the "
+        "defaults of requests that do not set them.",
+    )
+    common.add_model_args(p)
+    common.add_sampling_args(p)
+    d = ServeSettings()
+    p.add_argument("--host", default=d.host, help="address to bind (anything but loopback exposes the model; "
+                   "default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port, printed on stderr (default "
+                   "%(default)s)")
+    p.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help="requests waiting beyond the running one; more get 503 (default %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request may take, queueing included; past it the generation is stopped "
+                   "(default %(default)s)")
+    p.add_argument("--context-length", type=int, default=d.context_length,
+                   help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)")
+    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
+                   help="reuse the previous request's caches for the prefix a request shares with it")
+    p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
+    p.set_defaults(run=run)
+
+
+def build_server(args):
+    """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
+    settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
+                             args.prompt_cache)
+    model, tokenizer, drafter = common.load_pair(args)
+    app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
+              common.generation_kwargs(args), settings)
+    try:
+        return app, make_server(app)
+    except BaseException:
+        app.close()
+        raise
+
+
+def run(args) -> int:
+    app, server = build_server(args)
+    host, port = server.server_address[:2]
+    mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
+    print(f"[dflash2] serving {app.model_id} ({mode}) on http://{host}:{port}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        app.close()
+        server.server_close()
+    return 0

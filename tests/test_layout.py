@@ -1,7 +1,8 @@
 """The package's layers, checked from its import graph (parsed, not imported): no import circle; `formats/`
 at the bottom, importing nothing else of the package; `train/` imported only by itself and the commands that
-train (`dflash2 data`, `dflash2 train`); no function-local import of the package's own modules, which would
-hide an edge from this graph (third-party imports may stay lazy where they are heavy or optional)."""
+train or read training data (`dflash2 data`, `dflash2 train`, `dflash2 bench --tree-sim`); no function-local
+import of the package's own modules, which would hide an edge from this graph (third-party imports may stay
+lazy where they are heavy or optional)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash2_mlx": ROOT / "dflash2_mlx", "dflash2_apps": ROOT / "apps"}
-TRAIN_USERS = ("dflash2_apps.data", "dflash2_apps.train", "dflash2_apps.cli")
+TRAIN_USERS = ("dflash2_apps.data", "dflash2_apps.train", "dflash2_apps.tree_sim")
 
 
 def modules() -> dict[str, Path]:

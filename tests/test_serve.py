@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import dflash2_apps.serve as serve
-from dflash2_apps.cli import build_server, make_parser, main
+from dflash2_apps.cli import make_parser, main
+from dflash2_apps.serve import build_server
 from dflash2_mlx import generate
 
 TIMEOUT = 60  # seconds, for every client call and every bounded wait

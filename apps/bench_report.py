@@ -1,0 +1,106 @@
+"""The report of `dflash2 bench`: rich tables and bars on the terminal, the same as markdown, and JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from dflash2_mlx.sparkline import sparkline
+
+
+def _bar(value: float, scale: float, width: int = 30) -> str:
+    n = max(0, min(width, round(value / scale * width))) if scale else 0
+    return "█" * n + "·" * (width - n)
+
+
+def report_console():
+    """A console as wide as the terminal, or wide enough for the tables when the output is a file."""
+    return Console(width=None if sys.stdout.isatty() else 150)
+
+
+def render(report: dict, console=None) -> str:
+    """Rich tables and bars on the console; returns the same report as markdown to paste into an issue."""
+    console = console or report_console()
+    ctx = report["context"]
+    head = (f"{ctx['target']} | {ctx['runtime']['backend']} ({ctx['runtime']['machine']}), MLX {ctx['runtime']['mlx']}, "
+            f"BLAS {ctx['runtime']['blas']}, kernels {ctx['runtime']['kernels']}, {ctx['dtype']} | "
+            f"{ctx['prompts']} prompts ({ctx['suites']}) x {ctx['trials']} trials, {ctx['max_tokens']} max tokens")
+    console.print(f"[bold]dflash2 bench[/] {head}")
+    columns = ["method", "T", "tok/s", "min-max", "speedup", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
+               "draft %", "ms/cycle (rest)", "lossless", "accepted by position"]
+    table = Table(*columns)
+    table.columns[12].no_wrap = True
+    md = [f"**dflash2 bench** {head}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    notes = {}  # note -> the methods it is about
+    for r in report["results"]:
+        if r.get("note"):
+            notes.setdefault(r["note"], []).append(r["method"])
+        if r["generation_tps_median"] is None:  # a peer that cannot run: the note says why
+            row = [r["method"], f"{r['temperature']:g}"] + ["-"] * 10 + ["cannot run (see note)", ""]
+        else:
+            row = [
+                r["method"], f"{r['temperature']:g}", f"{r['generation_tps_median']:.1f}",
+                f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
+                f"{r['speedup']:.2f}x" if r["speedup"] else "-",
+                f"{r['tau']:.2f}" if r["tau"] else "-",
+                f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
+                f"{r['prompt_tps_median']:.0f}", f"{r['ttft_s_median']:.2f}", f"{r['peak_memory_gb']:.2f}",
+                f"{r['draft_share']:.0%}" if r["draft_share"] is not None else "-",
+                f"{r['cycle_ms']:.1f} ({r['overhead_ms']:.1f})" if r.get("overhead_ms") is not None else "-",
+                {True: "yes", False: "NO (mismatch)", None: "n/a (T>0)"}[r["lossless"]],
+                sparkline(r["acceptance_by_position"], 0.0, 1.0),
+            ]
+        md.append("| " + " | ".join(row) + " |")
+        style = {"yes": "green", "NO (mismatch)": "bold red"}.get(row[12])
+        table.add_row(*row[:12], f"[{style}]{row[12]}[/]" if style else row[12], row[13])
+    console.print(table)
+    split = [f"{r['method']} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
+             f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}" for r in report["results"] if r.get("overhead_ms") is not None]
+    if split:
+        lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
+                 "alone in steady state, right after each trial's runs):", *split]
+        console.print("\n  ".join(lines), markup=False, highlight=False)
+        md.append("\n" + "\n".join(f"- {x}" if i else x for i, x in enumerate(lines)))
+    for note, methods in notes.items():
+        line = f"{', '.join(dict.fromkeys(methods))}: {note}"
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
+    top = max((r["speedup"] or 0) for r in report["results"]) or 1
+    console.print("[bold]speedup over mlx-lm[/] (same run)")
+    width = max(len(r["method"]) for r in report["results"])
+    for r in report["results"]:
+        if r["speedup"]:
+            console.print(f"  {r['method']:{width}s} T={r['temperature']:<4g}{_bar(r['speedup'], top)} {r['speedup']:.2f}x")
+    for r in report["results"]:
+        if r["acceptance_by_position"]:
+            profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
+            md.append(f"\n{r['method']} T={r['temperature']:g} accepted by position 1..{len(r['acceptance_by_position'])}: "
+                      f"{profile}")
+    for c in report.get("costs", []):
+        line = (f"cost curve with {c['drafter']} (target forward over n tokens / one plain step, n = 1..): "
+                + " ".join(f"{x:.2f}" for x in c["verify_steps"])
+                + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
+                f"{1000 * c['step_s']:.0f} ms"
+                + (f"; default tree budget at B={c['block_size']}: {c['tree_budget']} nodes"
+                   if c.get("tree_budget") else ""))
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
+    sample = report.get("sample_output")
+    if sample:
+        text = " ".join(sample["text"].split())
+        text = text[:200] + (" ..." if len(text) > 200 else "")
+        line = f"{report['results'][0]['method']} output of prompt 1 (T={sample['temperature']:g}): {text}"
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
+    for e in report["errors"]:
+        console.print(f"[bold red]error:[/] {e}")
+        md.append(f"\n**error:** {e}")
+    return "\n".join(md) + "\n"
+
+
+def report_json(report: dict) -> str:
+    return json.dumps(report, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))

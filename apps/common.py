@@ -1,0 +1,171 @@
+"""What several commands share: the target and drafter flags (and loading them), the sampling flags, and the
+one-line summary of a generation."""
+
+from __future__ import annotations
+
+import sys
+from inspect import signature
+
+from dflash2_mlx import load
+from dflash2_mlx.assets import default_drafter
+from dflash2_mlx.generate import VERIFY_MODES, stream_generate
+from dflash2_mlx.kernels import use_metal
+from dflash2_mlx.settings import from_omlx
+
+KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal exists) or pure MLX; same results"
+
+
+def add_model_args(p) -> None:
+    """The target, the drafter and how they decode: what generate, serve and chat share."""
+    d = generation_defaults()
+    p.add_argument(
+        "--model",
+        help="target: mlx-lm model folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--draft-model",
+                   help="DFlash drafter: local folder or hub id (default target: its bundled DFlash 2 drafter)")
+    p.add_argument(
+        "--block-size", type=int, default=None,
+        help="runtime block size (draft + verify tokens per cycle); dflash mode: default the drafter's, "
+        "capped at 5 for DFlash 2 as oMLX does; adaptive mode: the largest it may pick (default the drafter's)",
+    )
+    p.add_argument(
+        "--verify-mode", choices=VERIFY_MODES, default=None,
+        help="adaptive (default, as oMLX): each cycle's block size, or plain steps, picked from this machine's "
+        "measured costs and the acceptance so far, drafting only where those predict more tokens/s than plain "
+        "decoding (the bundled drafters on a 2-core x86 CPU: 95-97%% plain steps, within a few percent of plain); "
+        "dflash: every cycle at --block-size (there 0.88-0.92x of mlx-lm at tau ~1.55); ddtree: every cycle "
+        "verifies a tree of drafts (--tree-budget nodes, at most --block-size - 1 deep) in one target pass; off: "
+        "plain decoding of the same target through the same loader (the baseline)",
+    )
+    p.add_argument("--tree-budget", type=int, metavar="N",
+                   help="ddtree mode: draft nodes per tree, built best-first from the drafter's lattice (default: the "
+                   "most nodes this machine verifies for at most 10%% more than the linear block, from its measured "
+                   "costs)")
+    p.add_argument(
+        "--path", choices=["greedy", "viterbi"],
+        help=f"how a DFlash 2 drafter's path selector walks its candidates at T = 0 (default {d['walk']})",
+    )
+    p.add_argument(
+        "--draft-quant", metavar="SPEC",
+        help="quantize the drafter at load, oMLX style: w{bits}a{act}:gs{group}, e.g. w4a16:gs64",
+    )
+    add_draft_vocab_args(p)
+    p.add_argument(
+        "--draft-dtype", choices=["bfloat16", "float32"],
+        help="drafter compute dtype (default: float32 on CPU, the stored dtype on Metal; float16 is refused)",
+    )
+    p.add_argument("--max-context", type=int, help="prompts of at least this many tokens run plain decoding")
+    p.add_argument("--omlx-settings", metavar="FILE", help="an oMLX model_settings.json to take DFlash settings from")
+    p.add_argument("--omlx-model", metavar="ID", help="the model id of the entry in --omlx-settings to use")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"],
+        help="cast the target's weights (GGUF default: float32 on CPU, quantized tensors kept on Metal)",
+    )
+    p.add_argument("--prefill-step-size", type=int,
+                   help=f"prompt tokens per prefill forward (default {d['prefill_step_size']})")
+    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
+
+
+def generation_defaults() -> dict:
+    """`stream_generate`'s own keyword defaults: what a flag left unset means."""
+    return {k: p.default for k, p in signature(stream_generate).parameters.items() if p.default is not p.empty}
+
+
+def add_sampling_args(p) -> None:
+    d = generation_defaults()
+    p.add_argument("--max-tokens", "-m", type=int, help=f"default {d['max_tokens']}")
+    p.add_argument("--temp", type=float, help=f"sampling temperature (0 = greedy; default {d['temp']})")
+    p.add_argument("--top-p", type=float, help=f"1 = off (default {d['top_p']})")
+    p.add_argument("--top-k", type=int, help=f"0 = off (default {d['top_k']})")
+    p.add_argument("--min-p", type=float, help=f"0 = off (default {d['min_p']}); as in mlx-lm, top-p, min-p and top-k "
+                   "filter before temperature applies")
+    p.add_argument("--seed", type=int, help="default: MLX's global random state")
+
+
+def apply_omlx_settings(args) -> None:
+    """Fill what the command line left unset from the oMLX entry; explicit flags win."""
+    if bool(args.omlx_settings) != bool(args.omlx_model):
+        raise ValueError("--omlx-settings and --omlx-model go together")
+    if not args.omlx_settings:
+        return
+    settings = from_omlx(args.omlx_settings, args.omlx_model)
+    args.model = args.model or args.omlx_model
+    args.draft_model = args.draft_model or settings.draft_model
+    args.verify_mode = args.verify_mode or settings.verify_mode
+    args.block_size = args.block_size or settings.block_size
+    args.max_context = args.max_context or settings.max_context
+    args.draft_quant = args.draft_quant or (str(settings.draft_quant) if settings.draft_quant else None)
+    for note in settings.notes:
+        print(f"[dflash2] oMLX settings: {note}", file=sys.stderr)
+
+
+def load_pair(args):
+    """(model, tokenizer, drafter) as `add_model_args`' flags say; drafter None for --verify-mode off."""
+    use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
+    apply_omlx_settings(args)
+    args.verify_mode = args.verify_mode or generation_defaults()["verify_mode"]
+    if args.verify_mode != "off" and not args.draft_model:
+        if args.model:
+            raise ValueError(
+                f"--verify-mode {args.verify_mode} needs --draft-model for {args.model} (drafters are bundled only "
+                "for the default target); use --verify-mode off for plain decoding"
+            )
+        args.draft_model = str(default_drafter())
+    return load(
+        args.model,
+        args.draft_model if args.verify_mode != "off" else None,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        draft_quant=args.draft_quant,
+        draft_vocab=args.draft_vocab,
+        draft_vocab_counts=args.draft_vocab_counts,
+        kernels=args.kernels,
+    )
+
+
+def generation_kwargs(args) -> dict:
+    """`stream_generate`'s keyword arguments from the model and sampling flags (its own default where unset)."""
+    given = dict(
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        block_size=args.block_size,
+        verify_mode=args.verify_mode,
+        walk=args.path,
+        tree_budget=args.tree_budget,
+        max_context=args.max_context,
+        prefill_step_size=args.prefill_step_size,
+    )
+    defaults = generation_defaults()
+    return {k: defaults[k] if v is None and k in defaults else v for k, v in given.items()}
+
+
+def add_draft_vocab_args(p) -> None:
+    p.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="draft only among the N most frequent tokens of --draft-vocab-counts (the drafter's LM head "
+                   "shrinks to N rows; verification keeps the whole vocabulary, output stays the target's)")
+    p.add_argument("--draft-vocab-counts", metavar="PATH",
+                   help="frequency table for --draft-vocab: a `dflash2 data` folder of this target or a .npy of "
+                   "counts per token id (default: the drafter folder's token_counts.npy)")
+
+
+def summary(r) -> str:
+    mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}",
+            "ddtree": f"ddtree B<={r.block_size} budget {r.tree_budget}"}.get(r.verify_mode, "plain")
+    parts = [
+        f"[{mode}] {r.generation_tokens} tokens at {r.generation_tps:.1f} tok/s",
+        f"prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s",
+    ]
+    if r.verify_mode != "off":
+        parts.append(f"tau {r.tau:.2f} over {r.cycles} cycles" if r.cycles else "no cycles")
+    if r.verify_mode == "adaptive":
+        histogram = " ".join(f"B{b}:{n}" for b, n in r.block_sizes.items()) or "none"
+        parts.append(f"blocks {histogram}, {r.plain_tokens} tokens by plain steps")
+    if r.draft_failures:
+        parts.append(f"{r.draft_failures} cycles fell back to plain decoding (non-finite draft logits)")
+    parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]
+    return " | ".join(parts)

@@ -1,0 +1,44 @@
+"""`dflash2 generate`: text from the target, speculatively with a DFlash drafter (or plain decoding)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from dflash2_mlx import generate
+from dflash2_mlx.runtime import runtime_info
+
+from dflash2_apps import common
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text with DFlash speculative decoding (or plain decoding of the same target)",
+        description="Generate text from a target model, speculatively with a DFlash drafter.",
+    )
+    common.add_model_args(p)
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
+    common.add_sampling_args(p)
+    p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    model, tokenizer, drafter = common.load_pair(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not args.ignore_chat_template and tokenizer.has_chat_template:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+    kwargs = common.generation_kwargs(args)
+    result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
+    if args.json:
+        vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
+        extra = {"path": kwargs["walk"], "draft_quant": args.draft_quant, "draft_vocab": vocab,
+                 "runtime": runtime_info(args.kernels)}
+        print(json.dumps({**result.to_dict(), **extra}))
+    else:
+        print(common.summary(result), file=sys.stderr)
+    return 0
