@@ -6,6 +6,7 @@ classic speculative decoding (with --baseline-draft-model), each DFlash drafter 
 Trials interleave the methods, in alternating order (A B C, then C B A: the ABBA design), so drift on a
 shared machine hits them alike: over a pair of trials a linear drift adds the same to every method's time.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
+The report (terminal tables, markdown, JSON) is `bench_report.py`; `--tree-sim` is `tree_sim.py`.
 """
 
 from __future__ import annotations

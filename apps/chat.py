@@ -18,9 +18,11 @@ HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
 
 
 def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool,
-         read=input, out=sys.stdout, err=sys.stderr) -> list[dict]:
+         read=input, out=None, err=None) -> list[dict]:
     """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s; `reuse`
-    keeps the conversation's caches from turn to turn (a `PromptCache`)."""
+    keeps the conversation's caches from turn to turn (a `PromptCache`). `out`, `err`: default the streams
+    `sys` has when the chat starts (not when this module was imported)."""
+    out, err = out or sys.stdout, err or sys.stderr
     opening = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages, cache = list(opening), PromptCache() if reuse else None
     print(f"[dflash2] {HELP}", file=err)

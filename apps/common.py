@@ -154,6 +154,7 @@ def add_draft_vocab_args(p) -> None:
 
 
 def summary(r) -> str:
+    """One line on a generation (a `GenerationResponse`): what `generate` and `chat` print on stderr."""
     mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}",
             "ddtree": f"ddtree B<={r.block_size} budget {r.tree_budget}"}.get(r.verify_mode, "plain")
     parts = [

@@ -87,6 +87,57 @@ def test_errors_are_one_clear_line(tiny_pair, capsys, args, message):
     assert err.count("\n") == 1
 
 
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    assert main(["info"]) == 2  # neither a drafter nor --self-check: a ValueError of the command's own
+    assert capsys.readouterr().err == "dflash2 info: error: give a drafter folder or hub id (dflash2 info PATH), " \
+        "or --self-check\n"
+    assert main(["info", "/no/such/drafter"]) == 2  # a FileNotFoundError of the library's
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_unexpected_error_names_its_type_and_causes(capsys, monkeypatch):
+    """An error that is not bad input (a bug, a broken file, a failing device) is not passed off as one: its
+    type, message and every exception it came from, exit 1, and how to see the traceback."""
+    import dflash2_apps.info
+
+    def broken(path):
+        try:
+            try:
+                raise KeyError("weights")
+            except KeyError as e:
+                raise OSError("the safetensors header is cut short") from e
+        except OSError:
+            raise RuntimeError("[load] could not read the drafter")  # implicitly chained (__context__)
+
+    monkeypatch.setattr(dflash2_apps.info, "drafter_info", broken)
+    assert main(["info", "somewhere"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "dflash2 info: error: RuntimeError: [load] could not read the drafter",
+        "  caused by OSError: the safetensors header is cut short",
+        "  caused by KeyError: 'weights'",
+        "(rerun with --verbose for the traceback)",
+    ]
+
+
+def test_verbose_shows_the_traceback(capsys, monkeypatch):
+    import dflash2_apps.info
+
+    with pytest.raises(FileNotFoundError):  # raised on, bad input too: Python prints the traceback
+        main(["--verbose", "info", "/no/such/drafter"])
+    monkeypatch.setattr(dflash2_apps.info, "drafter_info", lambda path: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["--verbose", "info", "somewhere"])
+    with pytest.raises(ZeroDivisionError):  # the flag after the command too
+        main(["info", "somewhere", "--verbose"])
+    run = subprocess.run([sys.executable, "-m", "dflash2_apps.cli", "info", "/no/such/drafter", "--verbose"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.startswith("Traceback (most recent call last):") and "in resolve_path" in run.stderr
+    assert run.stderr.splitlines()[-1] == "FileNotFoundError: '/no/such/drafter' is neither an existing path nor " \
+        "a hub id (owner/name)"
+
+
 def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     """Build the wheel, install it into a fresh environment (dependencies from this one), and run the
     installed `dflash2` from a folder that is not the checkout."""
