@@ -138,6 +138,18 @@ def test_verbose_shows_the_traceback(capsys, monkeypatch):
         "a hub id (owner/name)"
 
 
+def test_only_the_running_commands_module_is_imported():
+    """`dflash2 export ...` imports the export module, not the bench's or the server's (start-up time), and
+    `dflash2 --help` still lists every command."""
+    code = ("import sys; from dflash2_apps.cli import COMMANDS, make_parser; "
+            "make_parser('export').parse_args(['export', '--mlx-path', 'a', '--hf-path', 'b']); "
+            "print(sorted(c for c in COMMANDS if 'dflash2_apps.' + c in sys.modules)); "
+            "print(sorted(make_parser('export')._subparsers._group_actions[0].choices))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["['export']", str(sorted(["generate", "serve", "chat", "convert", "export", "data",
+                                                          "train", "bench", "info"]))]
+
+
 def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     """Build the wheel, install it into a fresh environment (dependencies from this one), and run the
     installed `dflash2` from a folder that is not the checkout."""
