@@ -90,7 +90,7 @@ def test_errors_are_one_clear_line(tiny_pair, capsys, args, message):
 def test_bad_input_is_one_line_and_exit_2(capsys):
     assert main(["info"]) == 2  # neither a drafter nor --self-check: a ValueError of the command's own
     assert capsys.readouterr().err == "dflash2 info: error: give a drafter folder or hub id (dflash2 info PATH), " \
-        "or --self-check\n"
+        "--self-check or --assets\n"
     assert main(["info", "/no/such/drafter"]) == 2  # a FileNotFoundError of the library's
     assert capsys.readouterr().err.count("\n") == 1
 
