@@ -73,9 +73,10 @@ class CandidateSelector(nn.Module):
     def lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None,
                        ids: mx.array | None = None) -> LatticeInputs:
         """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id. With a
-        draft vocabulary, logits [T, n] are over its token ids `ids` [n]."""
+        draft vocabulary, logits [T, n] are over its token ids `ids` [n]. Blocks side by side: hidden
+        [N, T, D], logits [N, T, V], anchors [N] give inputs with a leading N."""
         k = min(self.top_k, logits.shape[-1])
-        top = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        top = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
         unary = mx.take_along_axis(logits, top, axis=-1)
         order = mx.argsort(-unary, axis=-1)  # best first: ties then break the same way on every backend
         candidates = mx.take_along_axis(top, order, axis=-1)
@@ -84,7 +85,8 @@ class CandidateSelector(nn.Module):
         unary = mx.take_along_axis(unary, order, axis=-1).astype(mx.float32)
         h = self.hidden_projection(hidden).astype(mx.float32)  # [T, R]
         # predecessors of row t: the anchor for t = 0 (whatever a), else the candidates of row t-1
-        pred_ids = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)), candidates[:-1]])
+        first = mx.broadcast_to(anchor[..., None, None], (*anchor.shape, 1, k))
+        pred_ids = mx.concatenate([first, candidates[..., :-1, :]], axis=-2)
         pred_rows = self.predecessor_codes(pred_ids, embed).astype(mx.float32)  # [T, k, R]
         succ = self.successor_codes(candidates, embed).astype(mx.float32)  # [T, k, R]
         return LatticeInputs(candidates, unary, pred_rows, h, succ)
@@ -96,7 +98,7 @@ class CandidateSelector(nn.Module):
 
 def lattice_of(inputs: LatticeInputs) -> Lattice:
     """All pair scores S_t(a, b) = U_t(b) + <A[a] * H_t, B[b]> (pure MLX)."""
-    scores = inputs.unary[:, None, :] + (inputs.pred_rows * inputs.h[:, None, :]) @ inputs.succ.swapaxes(-1, -2)
+    scores = inputs.unary[..., None, :] + (inputs.pred_rows * inputs.h[..., None, :]) @ inputs.succ.swapaxes(-1, -2)
     return Lattice(inputs.candidates, scores)
 
 
@@ -115,6 +117,16 @@ def walk_greedy(lat: Lattice) -> mx.array:
     for row in lat.scores[1:]:
         idx.append(mx.argmax(row[idx[-1]]))
     return mx.stack(idx)
+
+
+def walk_greedy_blocks(scores: mx.array) -> mx.array:
+    """`walk_greedy` of N blocks at once: scores [N, T, k, k] (lattices side by side), indices [N, T]; one
+    MLX op or two per draft row for all the blocks."""
+    idx = [mx.argmax(scores[:, 0, 0], axis=-1)]
+    for t in range(1, scores.shape[1]):
+        row = mx.take_along_axis(scores[:, t], idx[-1][:, None, None], axis=1)[:, 0]  # [N, k]: from the pick
+        idx.append(mx.argmax(row, axis=-1))
+    return mx.stack(idx, axis=1)
 
 
 def walk_viterbi(lat: Lattice) -> mx.array:
