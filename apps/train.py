@@ -6,7 +6,9 @@ import sys
 from dataclasses import fields
 
 from dflash2_mlx.loading import load_target
-from dflash2_mlx.train.trainer import Trainer, TrainSettings, write_card
+from dflash2_mlx.train.export import write_card
+from dflash2_mlx.train.settings import TrainSettings
+from dflash2_mlx.train.trainer import Trainer
 
 
 # `dflash2 train` flag -> (TrainSettings field, type, help); each default is the dataclass's, shown in --help.

@@ -25,9 +25,10 @@ from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
 from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.loading import bind_drafter
-from dflash2_mlx.train.trainer import (
-    Trainer, TrainSettings, make_batch, run_seconds, training_vocabulary,
-)
+from dflash2_mlx.train.batches import make_batch, training_vocabulary
+from dflash2_mlx.train.export import run_seconds
+from dflash2_mlx.train.settings import TrainSettings
+from dflash2_mlx.train.trainer import Trainer
 
 # -- data ---------------------------------------------------------------------------------------------------
 
@@ -322,7 +323,7 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
     responses (ties: lower ids), which the exported drafter carries as its draft vocabulary."""
     from collections import Counter
 
-    from dflash2_mlx.train.trainer import write_card
+    from dflash2_mlx.train.export import write_card
     from dflash2_mlx.formats.vocab import read_draft_vocab
 
     model, folder = train_data
@@ -575,7 +576,8 @@ def test_soft_targets_are_the_targets_top_k_next_tokens(tmp_path, train_data):
 
 def test_distillation_loss_is_the_formula(train_data, tmp_path):
     """(1 - w) * CE(hard label) + w * sum_k p_k * -log q(token_k), weighted per position, from NumPy."""
-    from dflash2_mlx.train.trainer import Soft, _prev_gold, loss_fn
+    from dflash2_mlx.train.loss import Soft, loss_fn
+    from dflash2_mlx.train.loss import gold_predecessors as _prev_gold
 
     model, folder = train_data
     trainer = Trainer(model, tmp_path / "t", settings(folder, "v1", 1, distill=0.3))

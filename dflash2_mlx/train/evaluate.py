@@ -1,0 +1,50 @@
+"""Held-out evaluation, teacher-forced: with greedy-regenerated data the response IS the target's greedy
+continuation, so the leading matches of each block's greedy drafts are exactly what verification would
+accept. The blocks of a few sequences are drafted in one drafter pass and walked in one greedy walk."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafter import DFlashDraftModel
+from ..formats.shards import Sample
+from .batches import Batch, make_batch
+from .settings import TrainSettings
+
+EVAL_STEP = 2**31 - 1  # the anchors of the held-out evaluation: the same at every evaluation
+EVAL_SEQUENCES = 4  # sequences per drafter pass (each with `anchors_per_sequence` blocks)
+
+
+class Evaluation(NamedTuple):
+    tau: float  # mean committed tokens per block, bonus included
+    first_draft: float  # fraction of blocks whose first draft is right
+
+
+def accepted_drafts(drafts: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per block, how many leading drafts [N, B-1] match their labels (-1: past the sequence's end, never
+    a match): what a T = 0 verification accepts."""
+    match = (drafts == labels) & (labels >= 0)
+    return np.cumprod(match, axis=1).sum(axis=1)
+
+
+def evaluate(drafter: DFlashDraftModel, samples: list[Sample], indices: Sequence[int], settings: TrainSettings,
+             context: Callable[[Batch], mx.array]) -> Evaluation:
+    """tau = mean(accepted + 1) and first_draft = how often draft 1 is right, over `settings`'s anchors
+    (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
+    context rows of a batch (whose `picked` are indices into `samples`)."""
+    if not indices:
+        return Evaluation(float("nan"), float("nan"))
+    accepted, first = [], []
+    for start in range(0, len(indices), EVAL_SEQUENCES):
+        chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
+        batch = make_batch(chunk, EVAL_STEP, settings, drafter.config.mask_token_id, sequences=len(chunk))
+        batch.picked = [indices[start + i] for i in batch.picked]  # indices into `samples`
+        hidden = drafter.hidden(batch.blocks, context(batch), None, batch.where)[:, 1:]
+        drafts = drafter.greedy_drafts(hidden, drafter.draft_logits(hidden), batch.blocks[:, 0])
+        drafts, labels = np.array(drafts), np.array(batch.labels)
+        accepted += list(accepted_drafts(drafts, labels))
+        first += list((drafts[:, 0] == labels[:, 0]) & (labels[:, 0] >= 0))
+    return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)))
