@@ -6,7 +6,7 @@ response (every position with B-1 response tokens after it) what a T = 0 verific
 known without the target: the linear drafts' leading matches with the next B-1 tokens, and for a tree the
 longest root path whose tokens are those tokens (`Tree.walk` with the gold token as every node's choice).
 The drafter sees the target's features of everything before the anchor, as in decoding; one target pass
-per sample gives them all, and one drafter pass per sample drafts every anchor's block.
+per sample gives them all, and one drafter pass per sample drafts every anchor's block, and one greedy walk walks them all.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafter import DFlashDraftModel, TrainingBlocks
-from ..sampling import SamplingParams
 from ..target import Target
 from ..tree import V1_TOP_K, build_tree, draft_log_probs
 from .data import Sample
@@ -38,9 +37,10 @@ def simulate_tree_acceptance(target: Target, drafter: DFlashDraftModel, samples:
         blocks[:, 0] = tokens[anchors]
         hidden = drafter.hidden(mx.array(blocks), context, None, TrainingBlocks(mx.array(anchors[None])))[:, 1:]
         logits = drafter.draft_logits(hidden)
+        greedy = np.array(drafter.greedy_drafts(hidden, logits, mx.array(blocks[:, 0])))  # every anchor's at once
         for n, p in enumerate(anchors):
             gold = tokens[p + 1 : p + B].tolist()
-            drafts = drafter.choose(hidden[n], logits[n], mx.array(blocks[n, 0]), SamplingParams()).tokens.tolist()
+            drafts = greedy[n].tolist()
             linear.append(next((i for i, (d, g) in enumerate(zip(drafts, gold)) if d != g), B - 1))
             lattice = drafter.tree_lattice(hidden[n], logits[n], mx.array(blocks[n, 0]), V1_TOP_K)
             candidates, logq = np.array(lattice.candidates), np.array(draft_log_probs(lattice))
