@@ -368,6 +368,12 @@ class DFlashDraftModel(nn.Module):
         candidates = mx.broadcast_to(self.draft_ids(mx.arange(q.shape[-1])), q.shape)
         return Proposal(self.draft_ids(mx.random.categorical(mx.log(q))), candidates, q, finite)
 
+    def greedy_drafts(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
+        """The T = 0 greedy drafts [N, B-1] of N blocks at once, from their rows' hidden [N, B-1, D], logits
+        [N, B-1, V] (as for `choose`) and anchors [N]: what `choose` with the greedy walk drafts block by
+        block, in one MLX walk over all of them (the held-out evaluation's hundreds of blocks)."""
+        return self.draft_ids(mx.argmax(logits, axis=-1))
+
     def tree_lattice(self, hidden: mx.array, logits: mx.array, anchor: mx.array, v1_top_k: int) -> Lattice:
         """What a token tree is built from (`tree.py`), arguments as for `choose`: DFlash 2's selector lattice;
         for v1 drafters each row's top `v1_top_k` draft logits, the same whatever the predecessor."""
@@ -410,13 +416,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         return Proposal(tokens, None if q is None else inputs.candidates, q, finite)
 
     def greedy_drafts(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
-        """The T = 0 greedy drafts [N, B-1] of N blocks at once, from their rows' hidden [N, B-1, D], logits
-        [N, B-1, V] (as for `choose`) and anchors [N]: what `choose` with the greedy walk drafts block by
-        block, in one MLX walk over all of them (the held-out evaluation's hundreds of blocks)."""
-        if not self.config.is_dflash2:
-            return self.draft_ids(mx.argmax(logits, axis=-1))
-        inputs = self.candidate_selector.lattice_inputs(hidden, logits, anchors, self._target.embed,
-                                                        self._target.vocab_ids)
+        inputs = self._lattice_inputs(hidden, logits, anchors)
         idx = walk_greedy_blocks(lattice_of(inputs).scores)
         return mx.take_along_axis(inputs.candidates, idx[..., None], axis=-1)[..., 0]
 
