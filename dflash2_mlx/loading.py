@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .adaptive import card_prior
 from .checkpoints import hf
 from .checkpoints.quantize import DraftQuant, quantize_drafter
 from .config import DraftConfig
@@ -105,6 +106,7 @@ def load_drafter(
     mx.eval(model.parameters())
     model.eval()
     model.draft_vocab = read_draft_vocab(path)
+    model.acceptance_prior = card_prior(path)
     if draft_vocab is not None:
         source = vocab_counts if vocab_counts is not None else path / COUNTS_FILE
         if vocab_counts is None and not Path(source).is_file():

@@ -488,12 +488,13 @@ class Trainer:
     def evaluate(self, split: str = "heldout") -> Evaluation:
         """Acceptance on held-out samples, teacher-forced: with greedy-regenerated data the response IS the
         target's greedy continuation, so the leading matches of each block's greedy drafts are exactly what
-        verification would accept. tau = mean(accepted + 1); first_draft = how often draft 1 is right.
+        verification would accept. tau = mean(accepted + 1); first_draft = how often draft 1 is right;
+        by_position[i] = P(draft i+1 accepted | drafts 1..i accepted), what adaptive mode starts from.
         split="train": the same on `train_probe`, training samples the drafter has learned from."""
         samples, indices = ((self.heldout, range(len(self.heldout))) if split == "heldout"
                             else (self.train_samples, self.train_probe))
         if not indices:
-            return Evaluation(float("nan"), float("nan"))
+            return Evaluation(float("nan"), float("nan"), ())
         accepted, first = [], []
         for start in range(0, len(indices), 4):
             chunk = [samples[i] for i in indices[start : start + 4]]
@@ -509,7 +510,10 @@ class Trainer:
             match = np.array((drafts == batch.labels) & (batch.labels >= 0))
             accepted += list(np.cumprod(match, axis=1).sum(axis=1))
             first += list(match[:, 0])
-        return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)))
+        reached = [np.sum(np.array(accepted) >= i) for i in range(self.settings.block_size)]
+        by_position = tuple(round(float(reached[i + 1] / reached[i]), 4) if reached[i] else 0.0
+                            for i in range(self.settings.block_size - 1))
+        return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)), by_position)
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
         """Train (from the last checkpoint, if any) to `settings.steps`, or stop early with a checkpoint: at
@@ -535,12 +539,13 @@ class Trainer:
                 # every run ends on an evaluation, so the card's tau is that of the weights it describes
                 if self.step % s.eval_every == 0 or last:
                     if self.average is not None:  # the raw weights' numbers beside the average's
-                        tau, first = self.evaluate()
+                        tau, first, _ = self.evaluate()
                         entry.update(raw_tau=round(tau, 4), raw_first_draft=round(first, 4))
                     with self.averaged():
-                        tau, first = self.evaluate()
+                        tau, first, by_position = self.evaluate()
                         seen_tau = self.evaluate("train").tau
-                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4))
+                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4),
+                                 by_position=list(by_position))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
@@ -597,6 +602,7 @@ def interrupt_requested():
 class Evaluation(NamedTuple):
     tau: float  # mean committed tokens per block, bonus included
     first_draft: float  # fraction of blocks whose first draft is right
+    by_position: tuple[float, ...] = ()  # P(draft i accepted | the drafts before it accepted), i = 1..B-1
 
 
 CURVE_FILE = "curve.csv"
@@ -673,6 +679,8 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_raw_weights": evals[-1].get("raw_tau") if evals else None,  # with a moving average (ema)
         "train_tau": evals[-1].get("train_tau") if evals else None,  # the same on training samples
+        # P(draft i accepted | drafts 1..i-1 accepted), i = 1..B-1: adaptive mode's prior (`adaptive.card_prior`)
+        "heldout_acceptance_by_position": evals[-1].get("by_position") if evals else None,
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
