@@ -245,7 +245,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
             m.peer, m.note = None, str(e)
             return None
 
-    results, sample = [], None
+    results, sample, per_prompt, calibration = [], None, [], []
     parts = {m.name: [] for m in methods}  # (drafter pass, verify pass) per trial of the first temperature
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
@@ -280,10 +280,87 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)
-    return {"results": results, "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
+            per_prompt += per_prompt_rows(methods, runs, temp)
+            if temp > 0:
+                calibration += shadow_calibration(model, tokenizer, prompts, methods, results, max_tokens, temp)
+    return {"results": results, "per_prompt": per_prompt, "shadow_calibration": calibration,
+            "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
         f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
         if r["lossless"] is False
     ]}
+
+
+def prompt_tps(trials: list[list[Run]], p: int) -> float:
+    """Tokens per second of prompt p over all trials (their tokens over their seconds: over an ABBA pair of
+    trials a linear drift weighs on every method alike)."""
+    runs = [runs[p] for runs in trials if runs[p] is not None and runs[p].generation_tps > 0]
+    seconds = sum(len(r.tokens) / r.generation_tps for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
+
+
+def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
+    """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
+    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well."""
+    plain = next((m for m in methods if m.kind == "plain"), None)
+    rows = []
+    for m in methods:
+        if m.kind != "adaptive" or plain is None:
+            continue
+        fixed = [f for f in methods if f.kind == "dflash" and f.drafter_label == m.drafter_label]
+        for p in range(len(runs[m.name][0])):
+            tps = {f.name: prompt_tps(runs[f.name], p) for f in fixed}
+            best = max(tps, key=tps.get) if tps else None
+            plain_tps, adaptive_tps = prompt_tps(runs[plain.name], p), prompt_tps(runs[m.name], p)
+            adaptive_runs = [r[p] for r in runs[m.name]]
+            tokens = sum(len(r.tokens) for r in adaptive_runs)
+            rows.append({
+                "temperature": temp, "prompt": p + 1, "drafter": m.drafter_label, "plain_tps": plain_tps,
+                "adaptive_tps": adaptive_tps, "best_fixed": best, "best_fixed_tps": tps[best] if best else None,
+                "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
+                "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
+                "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
+                "fixed_tps": tps,
+            })
+    return rows
+
+
+def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict],
+                       max_tokens: int, temp: float) -> list[dict]:
+    """At T > 0, per drafter: the tau that adaptive mode's shadow probes expect at each fixed block size
+    (1 + the mean over probes of sum_i P(drafts 1..i accepted)), from plain decoding with a probe before every
+    block_max steps on the same prompts, against the tau the fixed-block rows measured."""
+    from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
+    from dflash2_mlx.decode import dflash_steps
+    from dflash2_mlx.loading import bind_drafter
+    from dflash2_mlx.sampling import SamplingParams
+
+    eos, rows = set(tokenizer.eos_token_ids), []
+    for label, drafter in {m.drafter_label: m.drafter for m in methods if m.kind == "adaptive"}.items():
+        measured = {r["block_size"]: r["tau"] for r in results if r["kind"] == "dflash" and r["drafter"] == label
+                    and r["temperature"] == temp and r["walk"] == "greedy" and r["tau"]}
+        if not measured:
+            continue
+        target, block_max = bind_drafter(drafter, model), drafter.config.block_size
+        costs = load_or_measure_costs(target, drafter, block_max)
+        chains = []
+        for seed, prompt in enumerate(prompts, 1):
+            mx.random.seed(seed)
+            steps = dflash_steps(target, drafter, mx.array(prompt, mx.uint32), SamplingParams(temperature=temp),
+                                 ShadowBlocks(costs, block_max), max_tokens)
+            produced = 0
+            for step in steps:
+                chains += [step.shadow] if step.shadow is not None else []
+                produced += len(step.tokens)
+                if produced >= max_tokens or eos.intersection(step.tokens):
+                    break
+            steps.close()
+        for B, tau in sorted(measured.items()):
+            whole = [c for c in chains if len(c) >= B - 1]
+            expected = 1 + sum(sum(c[: B - 1]) for c in whole) / len(whole) if whole else None
+            rows.append({"temperature": temp, "drafter": label, "block_size": B, "probes": len(whole),
+                         "expected_tau": expected, "measured_tau": tau,
+                         "relative": expected / tau - 1 if expected else None})
+    return rows
 
 
 # -- report -------------------------------------------------------------------------------------------------
@@ -352,6 +429,14 @@ def render(report: dict, console=None) -> str:
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
+    md += render_per_prompt(report.get("per_prompt", []), console)
+    for c in report.get("shadow_calibration", []):
+        line = (f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: tau expected from "
+                f"{c['probes']} shadow probes {c['expected_tau']:.3f}, measured by fixed-block cycles "
+                f"{c['measured_tau']:.3f} ({c['relative']:+.1%})" if c["expected_tau"] else
+                f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: no shadow probe")
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     top = max((r["speedup"] or 0) for r in report["results"]) or 1
     console.print("[bold]speedup over mlx-lm[/] (same run)")
     width = max(len(r["method"]) for r in report["results"])
@@ -383,6 +468,35 @@ def render(report: dict, console=None) -> str:
         console.print(f"[bold red]error:[/] {e}")
         md.append(f"\n**error:** {e}")
     return "\n".join(md) + "\n"
+
+
+def render_per_prompt(rows: list[dict], console) -> list[str]:
+    """The per-prompt table (adaptive vs plain vs the best fixed block), its markdown lines."""
+    from rich.table import Table
+
+    if not rows:
+        return []
+    columns = ["T", "prompt", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s", "plain %",
+               "vs plain", "vs best"]
+    table = Table(*columns, title="adaptive mode per prompt (tok/s over all trials)")
+    md = ["", "adaptive mode per prompt (tok/s over all trials; vs best = against the faster of plain and the "
+          "best fixed block on that prompt):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        row = [f"{r['temperature']:g}", str(r["prompt"]), r["drafter"], f"{r['plain_tps']:.1f}",
+               r["best_fixed"] or "-", f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-",
+               f"{r['adaptive_tps']:.1f}", f"{r['plain_share']:.0%}",
+               f"{r['vs_plain']:.2f}x" if r["vs_plain"] else "-", f"{r['vs_best']:.2f}x" if r["vs_best"] else "-"]
+        table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    worst = min((r["vs_best"] for r in rows if r["vs_best"]), default=None)
+    if worst is not None:
+        line = (f"adaptive vs the best of plain and fixed blocks per prompt: worst {worst:.2f}x, median "
+                f"{statistics.median(r['vs_best'] for r in rows if r['vs_best']):.2f}x; vs plain: worst "
+                f"{min(r['vs_plain'] for r in rows if r['vs_plain']):.2f}x")
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
+    return md
 
 
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,

@@ -469,7 +469,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--draft-model", action="append", default=[],
                    help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
-    p.add_argument("--prompts", default="math", help="suites (code, chat, math; comma-separated) or a JSONL file")
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)
