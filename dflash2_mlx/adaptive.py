@@ -234,15 +234,18 @@ class AdaptiveBlocks:
     tokens (`sampling.draft_acceptance`). A probe costs a drafter pass, not a verify, so plain stretches keep
     gathering evidence and are never longer than one run without a decision. Positions past a probe's first
     rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a first plain run
-    of that many steps (0: none) before any choice."""
+    of that many steps (default: one shadow run; 0: none) before any choice: it times plain steps on this
+    generation's clock, so that the cost curve's shape (cycles against plain steps) is corrected online even
+    where drafting wins from the start and no plain step would otherwise be timed."""
 
     def __init__(self, costs: CostModel, block_max: int, prior: Sequence[float] | None = None,
                  prior_weight: float = 3.0, decay: float = 0.7, recent_decay: float = 0.3, shrink: float = 1.0,
-                 past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int = 0):
+                 past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
-        self.past_rejection, self.shadow_run, self.timing_steps = past_rejection, shadow_run or block_max, timing_steps
+        self.past_rejection, self.shadow_run = past_rejection, shadow_run or block_max
+        self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
         n = block_max - 1
         prior = [] if prior is None else list(prior)[:n]
         # decayed counts per draft position: accepted (or expected to be) ...
