@@ -707,3 +707,20 @@ def write_card(folder: str | Path, trainer: Trainer, target_name: str) -> None:
         f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
     (folder / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: int | None = None) -> Evaluation:
+    """The held-out evaluation of a drafter folder trained by `dflash2 train` (its card's settings: the same
+    draft vocabulary, anchors and held-out samples, `eval_samples` of them if given), e.g. to add the acceptance
+    by position to the card of a drafter trained before the card had it:
+    `card["heldout_acceptance_by_position"] = list(evaluate_folder(model, data, folder).by_position)`."""
+    import tempfile
+
+    st = json.loads((Path(folder) / "card.json").read_text())["settings"]
+    settings = TrainSettings(
+        data=str(data), init_from=str(folder), draft_vocab=st["draft_vocab"],
+        reduced_vocabulary=st["reduced_vocabulary"], cache_features=False, anchors_per_sequence=st["anchors_per_sequence"], ema=0.0, seed=st["seed"],
+        eval_samples=eval_samples or st["eval_samples"], selector_factorized=st["selector_factorized"],
+        selector_rank=st["selector_rank"], selector_top_k=st["selector_top_k"])
+    with tempfile.TemporaryDirectory() as out:
+        return Trainer(model, out, settings).evaluate()
