@@ -31,8 +31,9 @@ from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
 from dflash2_apps.tree_sim import tree_sim
 from dflash2_mlx import stream_generate
-from dflash2_mlx.adaptive import load_or_measure_costs
+from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
 from dflash2_mlx.assets import default_drafter
+from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
@@ -250,7 +251,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
             m.peer, m.note = None, str(e)
             return None
 
-    results, sample = [], None
+    results, sample, per_prompt, calibration = [], None, [], []
     parts = {m.name: [] for m in methods}  # (drafter pass, verify pass) per trial of the first temperature
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
@@ -285,10 +286,82 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)
-    return {"results": results, "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
+            per_prompt += per_prompt_rows(methods, runs, temp)
+            if temp > 0:
+                calibration += shadow_calibration(model, tokenizer, prompts, methods, results, max_tokens, temp)
+    return {"results": results, "per_prompt": per_prompt, "shadow_calibration": calibration,
+            "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
         f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
         if r["lossless"] is False
     ]}
+
+
+def prompt_tps(trials: list[list[Run]], p: int) -> float:
+    """Tokens per second of prompt p over all trials (their tokens over their seconds: over an ABBA pair of
+    trials a linear drift weighs on every method alike)."""
+    runs = [runs[p] for runs in trials if runs[p] is not None and runs[p].generation_tps > 0]
+    seconds = sum(len(r.tokens) / r.generation_tps for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
+
+
+def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
+    """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
+    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well."""
+    plain = next((m for m in methods if m.kind == "plain"), None)
+    rows = []
+    for m in methods:
+        if m.kind != "adaptive" or plain is None:
+            continue
+        fixed = [f for f in methods if f.kind == "dflash" and f.drafter_label == m.drafter_label]
+        for p in range(len(runs[m.name][0])):
+            tps = {f.name: prompt_tps(runs[f.name], p) for f in fixed}
+            best = max(tps, key=tps.get) if tps else None
+            plain_tps, adaptive_tps = prompt_tps(runs[plain.name], p), prompt_tps(runs[m.name], p)
+            adaptive_runs = [r[p] for r in runs[m.name]]
+            tokens = sum(len(r.tokens) for r in adaptive_runs)
+            rows.append({
+                "temperature": temp, "prompt": p + 1, "drafter": m.drafter_label, "plain_tps": plain_tps,
+                "adaptive_tps": adaptive_tps, "best_fixed": best, "best_fixed_tps": tps[best] if best else None,
+                "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
+                "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
+                "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
+                "fixed_tps": tps,
+            })
+    return rows
+
+
+def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict],
+                       max_tokens: int, temp: float) -> list[dict]:
+    """At T > 0, per drafter: the tau that adaptive mode's shadow probes expect at each fixed block size
+    (1 + the mean over probes of sum_i P(drafts 1..i accepted)), from plain decoding with a probe before every
+    block_max steps on the same prompts, against the tau the fixed-block rows measured."""
+    eos, rows = set(tokenizer.eos_token_ids), []
+    for label, drafter in {m.drafter_label: m.drafter for m in methods if m.kind == "adaptive"}.items():
+        measured = {r["block_size"]: r["tau"] for r in results if r["kind"] == "dflash" and r["drafter"] == label
+                    and r["temperature"] == temp and r["walk"] == "greedy" and r["tau"]}
+        if not measured:
+            continue
+        target, block_max = bind_drafter(drafter, model), drafter.config.block_size
+        costs = load_or_measure_costs(target, drafter, block_max)
+        chains = []
+        for seed, prompt in enumerate(prompts, 1):
+            mx.random.seed(seed)
+            steps = dflash_steps(target, drafter, mx.array(prompt, mx.uint32), SamplingParams(temperature=temp),
+                                 ShadowBlocks(costs, block_max), max_tokens)
+            produced = 0
+            for step in steps:
+                chains += [step.shadow] if step.shadow is not None else []
+                produced += len(step.tokens)
+                if produced >= max_tokens or eos.intersection(step.tokens):
+                    break
+            steps.close()
+        for B, tau in sorted(measured.items()):
+            whole = [c for c in chains if len(c) >= B - 1]
+            expected = 1 + sum(sum(c[: B - 1]) for c in whole) / len(whole) if whole else None
+            rows.append({"temperature": temp, "drafter": label, "block_size": B, "probes": len(whole),
+                         "expected_tau": expected, "measured_tau": tau,
+                         "relative": expected / tau - 1 if expected else None})
+    return rows
 
 
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
@@ -341,7 +414,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-model", action="append", default=[],
                    help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
-    p.add_argument("--prompts", default="math", help="suites (code, chat, math; comma-separated) or a JSONL file")
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)

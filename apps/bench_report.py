@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict
 
@@ -69,6 +70,14 @@ def render(report: dict, console=None) -> str:
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
+    md += render_per_prompt(report.get("per_prompt", []), console)
+    for c in report.get("shadow_calibration", []):
+        line = (f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: tau expected from "
+                f"{c['probes']} shadow probes {c['expected_tau']:.3f}, measured by fixed-block cycles "
+                f"{c['measured_tau']:.3f} ({c['relative']:+.1%})" if c["expected_tau"] else
+                f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: no shadow probe")
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     top = max((r["speedup"] or 0) for r in report["results"]) or 1
     console.print("[bold]speedup over mlx-lm[/] (same run)")
     width = max(len(r["method"]) for r in report["results"])
@@ -100,6 +109,33 @@ def render(report: dict, console=None) -> str:
         console.print(f"[bold red]error:[/] {e}")
         md.append(f"\n**error:** {e}")
     return "\n".join(md) + "\n"
+
+
+def render_per_prompt(rows: list[dict], console) -> list[str]:
+    """The per-prompt table (adaptive vs plain vs the best fixed block), its markdown lines."""
+    if not rows:
+        return []
+    columns = ["T", "prompt", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s", "plain %",
+               "vs plain", "vs best"]
+    table = Table(*columns, title="adaptive mode per prompt (tok/s over all trials)")
+    md = ["", "adaptive mode per prompt (tok/s over all trials; vs best = against the faster of plain and the "
+          "best fixed block on that prompt):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        row = [f"{r['temperature']:g}", str(r["prompt"]), r["drafter"], f"{r['plain_tps']:.1f}",
+               r["best_fixed"] or "-", f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-",
+               f"{r['adaptive_tps']:.1f}", f"{r['plain_share']:.0%}",
+               f"{r['vs_plain']:.2f}x" if r["vs_plain"] else "-", f"{r['vs_best']:.2f}x" if r["vs_best"] else "-"]
+        table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    worst = min((r["vs_best"] for r in rows if r["vs_best"]), default=None)
+    if worst is not None:
+        line = (f"adaptive vs the best of plain and fixed blocks per prompt: worst {worst:.2f}x, median "
+                f"{statistics.median(r['vs_best'] for r in rows if r['vs_best']):.2f}x; vs plain: worst "
+                f"{min(r['vs_plain'] for r in rows if r['vs_plain']):.2f}x")
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
+    return md
 
 
 def report_json(report: dict) -> str:

@@ -9,11 +9,13 @@ bought by plain decoding. That needs two numbers per block size B on this machin
 - its yield: 1 + sum over i of P(drafts 1..i all accepted), from running per-position acceptance
   estimates (exponentially decayed, so a drafter that stops being right is noticed within a few cycles).
 
-`AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps. While
-plain steps win it runs them in stretches and drafts one probe cycle between stretches (the stretches
-double while probes keep losing), so a drafter that starts accepting again is used again. The choice only
-decides how many tokens a cycle proposes: every committed token is still the target's, so any choice is
-lossless.
+`AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps. The
+estimates start from the drafter card's held-out acceptance by position (neutral without a card). While
+plain steps win it runs them block_max at a time, each run after a shadow probe: one drafter pass (a fifth
+of a target step or less), whose drafts are scored against the tokens the run then commits, so a drafter
+that starts accepting again is noticed within a run or two at a fraction of a verify's cost. The choice
+reads only committed tokens and the drafter's own outputs, and only decides how many tokens a cycle
+proposes: every committed token is still the target's, so any choice is lossless.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -214,93 +217,149 @@ class FixedBlocks:
 class AdaptiveBlocks:
     """Per cycle, the block size (1 = plain steps) with the most expected committed tokens per second.
 
-    prior: acceptance assumed at every position before any cycle is seen (weight 1 cycle); decay: the weight
-    kept by past observations at each new one; probe_block: the block size of probe cycles (the first cycle
-    is one); first_gap / max_gap: plain steps between probes, doubling while probes keep losing;
-    timing_steps: plain steps taken first, so that plain steps are timed on the same clock as cycles."""
+    The acceptance estimates: per draft position, P(draft i accepted | drafts 1..i-1 accepted), from
+    exponentially decayed counts (`decay` per observation) of what cycles accepted and of what shadow probes
+    would have accepted, each shrunk toward the previous position's estimate (the first toward 1/2) by
+    `shrink` observations' worth. `prior` (the drafter card's held-out acceptance by position) seeds the
+    counts with `prior_weight` observations; without one they start empty (neutral). The same counts decayed
+    by `recent_decay` say what the last observation or two say: where they argue for leaving the current
+    mode (drafting or plain steps) they are taken instead, so a turn in the text (a passage copied from the
+    prompt begins or ends, a repetition loop) is followed within a cycle or two, while a steady text is
+    judged on the longer memory.
 
-    def __init__(self, costs: CostModel, block_max: int, probe_block: int, prior: float = 0.5,
-                 decay: float = 0.7, first_gap: int = 32, max_gap: int = 256, timing_steps: int = 4):
+    Plain steps come in runs of `shadow_run` (default block_max), each started by a shadow probe (see
+    `decode.dflash_steps`): one drafter pass proposing the next block, scored once the run has committed its
+    tokens (`sampling.draft_acceptance`). A probe costs a drafter pass, not a verify, so plain stretches keep
+    gathering evidence and are never longer than one run without a decision. Positions past a probe's first
+    rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a first plain run
+    of that many steps (default: one shadow run; 0: none) before any choice: it times plain steps on this
+    generation's clock, so that the cost curve's shape (cycles against plain steps) is corrected online even
+    where drafting wins from the start and no plain step would otherwise be timed."""
+
+    def __init__(self, costs: CostModel, block_max: int, prior: Sequence[float] | None = None,
+                 prior_weight: float = 3.0, decay: float = 0.7, recent_decay: float = 0.3, shrink: float = 1.0,
+                 past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
-        self.costs, self.block_max, self.probe_block = costs, block_max, min(probe_block, block_max)
-        self.decay, self.first_gap, self.max_gap = decay, first_gap, max_gap
-        self.hits = [prior] * (block_max - 1)  # decayed counts per draft position: accepted ...
-        self.seen = [1.0] * (block_max - 1)  # ... and reached
+        self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
+        self.past_rejection, self.shadow_run = past_rejection, shadow_run or block_max
+        self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
+        n = block_max - 1
+        prior = [] if prior is None else list(prior)[:n]
+        # decayed counts per draft position: accepted (or expected to be) ...
+        self.hits = [prior_weight * float(a) for a in prior] + [0.0] * (n - len(prior))
+        self.seen = [prior_weight] * len(prior) + [0.0] * (n - len(prior))  # ... and reached
+        self.recent_hits, self.recent_seen, self.recent_decay = list(self.hits), list(self.seen), recent_decay
+        self.drafting = False  # the last choice: drafting (True) or plain steps
         # observed / measured seconds (the loop's own work, a longer context, a busy machine); None until seen
         self.scale_draft: float | None = None
         self.scale_plain: float | None = None
-        self.gap, self.probe_due, self.timing_steps = first_gap, True, timing_steps
         # A cycle right after plain steps (or the prefill) also feeds the drafter all their rows at once, and
         # the first cycle at a block size traces it: one-off costs the cycles after it do not pay.
         self.after_plain, self.traced = True, set()
 
-    def acceptance(self) -> list[float]:
-        """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1."""
-        return [h / s for h, s in zip(self.hits, self.seen)]
+    def acceptance(self, recent: bool = False) -> list[float]:
+        """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1 (`recent`: from the
+        counts with the short memory)."""
+        # the shrinkage weighs as much against each memory's own full count (1 / (1 - decay) observations)
+        shrink = self.shrink * ((1 - self.decay) / (1 - self.recent_decay) if recent else 1.0)
+        estimates, previous = [], 0.5
+        for h, s in zip(*((self.recent_hits, self.recent_seen) if recent else (self.hits, self.seen))):
+            previous = (h + shrink * previous) / (s + shrink)
+            estimates.append(previous)
+        return estimates
 
-    def expected_tokens(self, B: int) -> float:
-        """Committed tokens a cycle at B is expected to give: the bonus plus each accepted draft."""
+    def decisive(self) -> list[float]:
+        """The estimates a choice is made on: per position the long memory's, or the recent one's where it
+        argues for leaving the current mode (lower while drafting, higher while running plain steps)."""
+        pick = min if self.drafting else max
+        return [pick(a, b) for a, b in zip(self.acceptance(), self.acceptance(recent=True))]
+
+    def expected_tokens(self, B: int, acceptance: Sequence[float] | None = None) -> float:
+        """Committed tokens a cycle at B is expected to give: the bonus plus each accepted draft (by
+        `acceptance`, default the long memory's estimates)."""
         total, run = 1.0, 1.0
-        for a in self.acceptance()[: B - 1]:
+        for a in (self.acceptance() if acceptance is None else acceptance)[: B - 1]:
             run *= a
             total += run
         return total
 
     def seconds(self, B: int) -> float:
-        """Expected seconds of a cycle at B: the measured passes, scaled as observed (by the other kind's
-        scale until one of this kind is seen, so the two stay comparable)."""
+        """Expected seconds of a cycle at B (B = 1: a plain step with its share of a shadow probe): the
+        measured passes, scaled as observed (by the other kind's scale until one of this kind is seen, so the
+        two stay comparable)."""
         own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
         scale = own if own is not None else other if other is not None else 1.0
-        return self.costs.passes_s(B) * scale
+        shadow = self.costs.draft_s[self.block_max - 2] / self.shadow_run if B == 1 else 0.0
+        return (self.costs.passes_s(B) + shadow) * scale
 
     def rates(self, top: int) -> dict[int, float]:
-        """Expected committed tokens per second at each block size 1..top."""
-        return {B: self.expected_tokens(B) / self.seconds(B) for B in range(1, top + 1)}
+        """Expected committed tokens per second at each block size 1..top, on the decisive estimates."""
+        acceptance = self.decisive()
+        return {B: self.expected_tokens(B, acceptance) / self.seconds(B) for B in range(1, top + 1)}
 
     def next_block(self, left: int | None) -> int:
         top = self.block_max if left is None else max(1, min(self.block_max, left))
-        if self.timing_steps and top > 1:
+        if self.timing_steps or top == 1:
             return 1
-        if self.probe_due:
-            self.probe_due = False
-            return max(2, min(self.probe_block, top)) if top > 1 else 1
         rates = self.rates(top)
-        best = max(rates, key=rates.get)
-        if best > 1:
-            self.gap = self.first_gap
-        return best
+        B = max(rates, key=rates.get)
+        self.drafting = B > 1
+        return B
 
     def plain_run(self, left: int | None) -> int:
-        """Plain steps to take before the next probe cycle."""
-        if self.timing_steps:
-            run, self.timing_steps = self.timing_steps, 0
-        else:
-            run, self.gap = self.gap, min(2 * self.gap, self.max_gap)
-        self.probe_due = self.after_plain = True
+        """Plain steps to take (the first of them after a shadow probe) before the next choice."""
+        run, self.timing_steps = self.timing_steps or self.shadow_run, 0
+        self.after_plain = True
         return run if left is None else max(1, min(run, left))
 
     def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
-        """Its acceptance always counts; its time only for a steady cycle (see `after_plain`): a probe's one-off
-        costs would otherwise make every block look dearer than it is, and keep the drafter off."""
+        """Its acceptance always counts; its time only for a steady cycle (see `after_plain`): a cycle's
+        one-off costs would otherwise make every block look dearer than it is, and keep the drafter off."""
         for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
-            self.seen[i] = self.decay * self.seen[i] + 1
-            self.hits[i] = self.decay * self.hits[i] + (i < accepted)
+            self._count(i, 1.0, float(i < accepted))
         if not self.after_plain and B in self.traced:
             self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B))
         self.after_plain = False
         self.traced.add(B)
+
+    def observe_shadow(self, chain: Sequence[float], single: Sequence[float]) -> None:
+        """A shadow probe's score (`sampling.draft_acceptance`): chain[i] = P(drafts 1..i+1 accepted),
+        single[i] = position i+1's acceptance on its own. Position i is reached with P(chain[i-1]), where it
+        counts in full; past a rejection it counts with weight `past_rejection`."""
+        reach = 1.0
+        for i, (c, a) in enumerate(zip(chain, single)):
+            beyond = self.past_rejection * (1 - reach)
+            self._count(i, reach + beyond, c + beyond * a)
+            reach = c
+
+    def _count(self, i: int, seen: float, hits: float) -> None:
+        """One observation at position i: `seen` reached it, `hits` of them accepted."""
+        self.seen[i] = self.decay * self.seen[i] + seen
+        self.hits[i] = self.decay * self.hits[i] + hits
+        self.recent_seen[i] = self.recent_decay * self.recent_seen[i] + seen
+        self.recent_hits[i] = self.recent_decay * self.recent_hits[i] + hits
 
     def observe_plain(self, steps: int, seconds: float) -> None:
         self.scale_plain = self._mix(self.scale_plain, seconds / steps / self.costs.passes_s(1))
 
     def stale(self) -> bool:
         """Whether this generation's timings say the measured costs are off by more than STALE_RATIO: plain
-        steps against their measured time, or cycles against plain steps (the curve's shape)."""
+        steps against their measured time, and cycles against plain steps (the curve's shape), or against
+        their own measured time when no plain step was timed."""
         if self.scale_plain is None:
-            return False
-        ratios = [self.scale_plain] + ([self.scale_draft / self.scale_plain] if self.scale_draft else [])
+            ratios = [self.scale_draft] if self.scale_draft is not None else []
+        else:
+            ratios = [self.scale_plain] + ([self.scale_draft / self.scale_plain] if self.scale_draft else [])
         return any(not 1 / STALE_RATIO <= r <= STALE_RATIO for r in ratios)
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
+
+
+class ShadowBlocks(AdaptiveBlocks):
+    """Plain steps only, every run after a shadow probe: what the drafter would accept, measured without
+    drafting (`dflash2 bench` checks these estimates against fixed-block cycles)."""
+
+    def next_block(self, left: int | None) -> int:
+        return 1

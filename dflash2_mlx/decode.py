@@ -18,7 +18,7 @@ import numpy as np
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams, accept, sample
+from .sampling import SamplingParams, accept, draft_acceptance, sample
 from .target import Capture, Target
 from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
                    tree_attention)
@@ -35,6 +35,9 @@ class Step(NamedTuple):
     accepted: int | None = None  # drafts accepted; None for the prefill token and plain decoding
     draft_failed: bool = False  # the drafter gave non-finite logits: this cycle was a plain step
     block_size: int | None = None  # the cycle's block size; 1 for a plain step of a speculative generation
+    # the last step of an adaptive plain run: its shadow probe's P(drafts 1..i accepted), i = 1.. (its drafts
+    # scored by the run's tokens, `sampling.draft_acceptance`)
+    shadow: list[float] | None = None
 
 
 def plain_steps(
@@ -83,8 +86,19 @@ def dflash_steps(
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             if B == 1:
                 run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-                rows = [context]
-                for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append)):
+                # Shadow probe: the drafter's next block from the committed rows (which it keeps), scored by
+                # the tokens this run commits: evidence at a drafter pass's cost, no verify.
+                shadow = drafter.propose(_block(anchor, min(blocks.block_max, run + 1), mask_id), context[None],
+                                         draft_cache, params, walk)
+                mx.async_eval([a for a in shadow if a is not None])
+                rows, drawn, logits = [], [], []
+                for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append,
+                                                              logits.append)):
+                    drawn.append(anchor)
+                    if i == run - 1:  # every token of the run drawn: the probe's score, read with the last one
+                        chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
+                        blocks.observe_shadow(chain, single)
+                        step = step._replace(shadow=chain)
                     yield state.commit(step, rows)
                     tic = tic if i else time.perf_counter()  # steady pipelined steps are timed from here
                 context, produced = mx.concatenate(rows), produced + run
@@ -93,8 +107,7 @@ def dflash_steps(
                 tic = time.perf_counter()
                 continue
             # Draft: one drafter pass proposes B-1 tokens from [anchor, mask * (B-1)].
-            block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])
-            proposal = drafter.propose(block[None], context[None], draft_cache, params, walk)
+            proposal = drafter.propose(_block(anchor, B, mask_id), context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
             # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
@@ -168,14 +181,22 @@ def _free_buffers(produced: int, clear_at: int) -> int:
     return produced + CLEAR_EVERY
 
 
-def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features):
+def _block(anchor: mx.array, B: int, mask_id: int) -> mx.array:
+    """A drafter's input block [1, B]: the anchor, then B-1 mask tokens."""
+    return mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])[None]
+
+
+def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features,
+               keep_logits):
     """n plain steps inside a speculative generation, pipelined as `plain_steps` is: yields (step, the next
-    anchor) and hands each fed token's features to `keep_features`, for the drafter's next context."""
+    anchor) and hands each fed token's features to `keep_features`, for the drafter's next context, and the
+    logits the next token is drawn from to `keep_logits`."""
     token = anchor
     for i in range(n + 1):
         if i < n:  # the next step is scheduled before this one's token is read
             logits, features = tap.forward(token.reshape(1), cache)
             keep_features(features)
+            keep_logits(logits[-1])
             next_token = sample(logits[-1], params)
             mx.async_eval(next_token, features)
         if i > 0:

@@ -256,6 +256,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = nn.RMSNorm(dim, eps=config.rms_norm_eps)
         self._target: _TargetParts | None = None
         self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
+        # its card's held-out P(draft i accepted | drafts before it accepted) (numpy), adaptive mode's prior
+        self.acceptance_prior = None
         self.use_kernels("auto")
 
     def use_kernels(self, choice: str = "auto") -> "DFlashDraftModel":

@@ -41,6 +41,9 @@ class GenerationResponse:
     draft_failed: bool = False  # non-finite draft logits: this cycle committed one plain-decoding token
     block_size: int | None = None  # this cycle's block size; 1 for a plain step chosen by adaptive mode
     tree_budget: int | None = None  # ddtree: draft nodes per tree (given, or chosen from the measured costs)
+    # adaptive mode, the last step of a plain run: P(drafts 1..i accepted) for the drafts of its shadow probe,
+    # scored by the run's own tokens (at T > 0 an estimate; see `sampling.draft_acceptance`)
+    shadow: list[float] | None = None
 
 
 @dataclass
@@ -60,6 +63,9 @@ class GenerationResult:
     draft_failures: int = 0  # cycles whose draft logits were non-finite (each fell back to a plain step)
     block_sizes: dict[int, int] = field(default_factory=dict)  # drafting cycles per block size
     plain_tokens: int = 0  # tokens from plain steps that adaptive mode chose over drafting
+    # adaptive mode's shadow probes (one per plain run): how many, and their mean P(drafts 1..i accepted)
+    shadow_probes: int = 0
+    shadow_acceptance: list[float] | None = None
     cycles: int = field(init=False)
     tau: float | None = field(init=False)  # mean tokens committed per cycle, bonus included
 
@@ -83,11 +89,6 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
-# Adaptive mode's probe cycles (a drafter not worth drafting with is tried again between plain stretches)
-# draft 2 tokens: what a probe costs matters more than how deep it looks.
-ADAPTIVE_PROBE_BLOCK = 3
-
-
 def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify_mode: str = "dflash") -> int:
     """oMLX's "Runtime Block Size": at most the checkpoint's, at least 2 (anchor + one draft). Left
     unset, DFlash 2 drafters run at min(5, trained) as oMLX's MLX engine does, v1 at the trained size, and
@@ -105,11 +106,12 @@ def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify
 
 
 def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str):
-    """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive)."""
+    """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive), starting
+    from the drafter card's held-out acceptance by position."""
     if verify_mode == "dflash":
         return FixedBlocks(block_size)
     costs = load_or_measure_costs(target, drafter, block_size)
-    return AdaptiveBlocks(costs, block_size, probe_block=min(ADAPTIVE_PROBE_BLOCK, block_size))
+    return AdaptiveBlocks(costs, block_size, prior=drafter.acceptance_prior)
 
 
 def stream_generate(
@@ -201,7 +203,7 @@ def stream_generate(
     tic = time.perf_counter()
     try:
         with wired_limit(model, [generation_stream]):
-            for i, (tokens, accepted, draft_failed, step_block) in enumerate(steps):
+            for i, (tokens, accepted, draft_failed, step_block, shadow) in enumerate(steps):
                 if i == 0:
                     prefilled = prompt.size - (prompt_cache.reused if prompt_cache is not None else 0)
                     prompt_tps = prefilled / (time.perf_counter() - tic)  # the tokens the cache did not hold
@@ -231,6 +233,7 @@ def stream_generate(
                     draft_failed=draft_failed,
                     block_size=step_block,
                     tree_budget=tree_budget if verify_mode == "ddtree" else None,
+                    shadow=shadow,
                 )
                 if finish:
                     return
@@ -272,7 +275,7 @@ def summarize(
     """The `GenerationResult` of a generation's records (all of them, or those read before it was stopped);
     `drafter` and `block_size` as given to `stream_generate`."""
     text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
-    block_sizes, plain_tokens = Counter(), 0
+    block_sizes, plain_tokens, shadows = Counter(), 0, []
     for r in records:
         text += r.text
         tokens += r.tokens
@@ -282,6 +285,8 @@ def summarize(
         if r.block_size == 1:
             plain_tokens += len(r.tokens)
         failures += r.draft_failed
+        if r.shadow is not None:
+            shadows.append(r.shadow)
     speculative = last.verify_mode != "off"
     return GenerationResult(
         text=text,
@@ -299,4 +304,14 @@ def summarize(
         draft_failures=failures,
         block_sizes=dict(sorted(block_sizes.items())),
         plain_tokens=plain_tokens,
+        shadow_probes=len(shadows),
+        shadow_acceptance=_mean_by_position(shadows),
     )
+
+
+def _mean_by_position(rows: list[list[float]]) -> list[float] | None:
+    """The mean of each position over the rows that reach it (a run cut short by max_tokens scores fewer)."""
+    if not rows:
+        return None
+    width = max(len(r) for r in rows)
+    return [sum(r[i] for r in rows if len(r) > i) / sum(len(r) > i for r in rows) for i in range(width)]

@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 from .assets import default_target
 from .drafter import DFlashDraftModel
+from .formats.card import read_acceptance
 from .formats.config import DraftConfig
 from .formats.gguf import load_gguf
 from .formats.quantize import DraftQuant, quantize_drafter
@@ -107,6 +108,7 @@ def load_drafter(
     mx.eval(model.parameters())
     model.eval()
     model.draft_vocab = read_draft_vocab(path)
+    model.acceptance_prior = read_acceptance(path)
     if draft_vocab is not None:
         source = vocab_counts if vocab_counts is not None else path / COUNTS_FILE
         if vocab_counts is None and not Path(source).is_file():

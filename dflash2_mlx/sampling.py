@@ -136,3 +136,36 @@ def accept_sampled(
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:-1])
     candidates = mx.random.categorical(mx.log(mx.concatenate([residual, p[-1:]])))
     return accepted, candidates[accepted]
+
+
+def draft_acceptance(
+    proposal: Proposal, tokens: mx.array, target_logits: mx.array, params: SamplingParams
+) -> mx.array:
+    """How a block of drafts would have fared, judged by plain decoding instead of a verify pass (adaptive
+    mode's shadow probes): [2, m], m = min(drafts, tokens).
+
+    tokens [n]: what plain steps committed after the block's anchor; target_logits [n, V]: the rows they were
+    drawn from (row j the target's logits before tokens[j]). Row 0 of the result estimates P(drafts 1..i all
+    accepted) for i = 1..m, row 1 the acceptance at each position on its own. At T = 0 both are exact: the
+    drafts' leading matches with the tokens, and each position's match. At T > 0 row 1 is sum(min(p_i, q_i)),
+    what a draft drawn from q_i keeps against p_i, and row 0 weights it by prod_{j<i} min(1, q_j(t_j) /
+    p_j(t_j)): over the tokens' own law t ~ p that is exactly P(drafts 1..i accepted) when each q_j does not
+    depend on the drafts before it (v1 drafters); for a DFlash 2 path its rows are those of the drawn path.
+    Non-finite draft logits accept nothing. Only committed tokens and the drafter's outputs are read."""
+    m = min(proposal.tokens.shape[0], tokens.shape[0])
+    drafts, tokens = proposal.tokens[:m], tokens[:m].astype(proposal.tokens.dtype)
+    if params.greedy:
+        match = (drafts == tokens).astype(mx.float32)
+        rows = mx.stack([mx.cumprod(match), match])
+        return mx.where(proposal.finite, rows, 0.0)
+    if proposal.probs is None:
+        raise ValueError("scoring sampled drafts (T > 0) needs the proposal's draft distribution; propose the "
+                         "drafts with the same SamplingParams")
+    p = probabilities(target_logits[:m], params)  # [m, V]
+    ids, q = proposal.candidates[:m], proposal.probs[:m].astype(mx.float32)
+    overlap = mx.sum(mx.minimum(mx.take_along_axis(p, ids, axis=-1), q), axis=-1)
+    p_t = mx.take_along_axis(p, tokens[:, None], axis=-1)[:, 0]
+    q_t = mx.sum(mx.where(ids == tokens[:, None], q, 0), axis=-1)
+    weight = mx.minimum(1.0, q_t / mx.maximum(p_t, 1e-30))
+    before = mx.cumprod(mx.concatenate([mx.ones((1,), mx.float32), weight[:-1]]))
+    return mx.where(proposal.finite, mx.stack([before * overlap, overlap]), 0.0)

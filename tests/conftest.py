@@ -165,9 +165,9 @@ class OracleDrafter(DFlashDraftModel):
     call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping."""
 
     def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None,
-                 right_for: int | None = None):
+                 right_for: int | None = None, right_between: tuple[int, int] | None = None):
         super().__init__(config)
-        self.prompt_len, self.right_for = len(prompt), right_for
+        self.prompt_len, self.right_for, self.right_between = len(prompt), right_for, right_between
         self.mirror = Target(copy_model(model), config.target_layer_ids)
         self.history = [int(t) for t in prompt]
         self.pending = None
@@ -197,8 +197,11 @@ class OracleDrafter(DFlashDraftModel):
         cut = None
         if self.rng is not None:
             cut = self.rng.randint(0, B - 1)
-        if self.right_for is not None and len(self.history) - self.prompt_len >= self.right_for:
+        produced = len(self.history) - self.prompt_len
+        if self.right_for is not None and produced >= self.right_for:
             cut = 0  # its acceptance collapses: every draft wrong from here on
+        if self.right_between is not None and not self.right_between[0] <= produced < self.right_between[1]:
+            cut = 0  # right only inside a stretch (text copied from the prompt, a repetition loop)
         if cut is not None:
             proposal = proposal[:cut] + [(t + 1) % self.vocab for t in proposal[cut:]]
         self.pending = (anchor, greedy)
@@ -215,10 +218,11 @@ class OracleDrafter(DFlashDraftModel):
         return out
 
 
-def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None) -> OracleDrafter:
+def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None, right_between=None) -> OracleDrafter:
     from dflash2_mlx.loading import bind_drafter
 
-    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for)
+    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for,
+                           right_between)
     bind_drafter(oracle, model)
     return oracle
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx.sampling as sampling
-from dflash2_apps.bench import accepted_per_cycle
+from dflash2_apps.bench import Method, Run, accepted_per_cycle, per_prompt_rows
 from dflash2_apps.cli import main
 from dflash2_mlx.prompts import load_suite
 
@@ -56,6 +56,12 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     assert report["sample_output"]["temperature"] == 0 and report["sample_output"]["text"]
     assert "mlx-lm output of prompt 1 (T=0): " in md
     assert "speedup over mlx-lm" in capsys.readouterr().out
+    # adaptive mode per prompt (one row per drafter, prompt and temperature), and at T = 1 the shadow calibration
+    assert len(report["per_prompt"]) == 2 * 2 * 2 and "adaptive mode per prompt" in md
+    calibration = report["shadow_calibration"]
+    assert {(c["drafter"], c["block_size"]) for c in calibration} == {(d, B) for d in ("drafter", "drafter#2")
+                                                                       for B in (4, 8)}
+    assert all(c["temperature"] == 1 and c["probes"] > 0 and c["expected_tau"] >= 1 for c in calibration)
 
 
 def test_classic_speculative_baseline(tiny_pair, tmp_path):
@@ -91,8 +97,12 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "b.json").read_text())
     assert code == 1
     assert any("drafter B=4 at T=0 produced different tokens" in e for e in report["errors"])
-    # mlx-lm, plain, then the drafter's adaptive and B=4 rows: both draft through the broken rule
-    assert [r["lossless"] for r in report["results"]] == [True, True, False, False]
+    # mlx-lm and plain are right; B=4 drafts through the broken rule every cycle. Adaptive mode drafts only
+    # where its shadow probes (scored against plain decoding's own tokens) say this random drafter pays: its
+    # row is wrong exactly when it drafted
+    rows = {r["method"]: r for r in report["results"]}
+    assert [r["lossless"] for r in report["results"]][:2] == [True, True] and rows["drafter B=4"]["lossless"] is False
+    assert rows["drafter adaptive"]["lossless"] is (rows["drafter adaptive"]["cycles"] == 0)
     assert "NO (mismatch)" in capsys.readouterr().out
 
 
@@ -114,8 +124,30 @@ def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypa
     assert calls == order + order + order[::-1] + order  # warm-up, then trials 1, 2, 3
 
 
+def test_per_prompt_rows_compare_adaptive_with_the_faster_of_plain_and_each_fixed_block():
+    plain, adaptive, b3, b5 = (Method("plain", "plain"), Method("d adaptive", "adaptive", drafter_label="d"),
+                               Method("d B=3", "dflash", block_size=3, drafter_label="d"),
+                               Method("d B=5", "dflash", block_size=5, drafter_label="d"))
+
+    def runs(*tps):  # two trials of two prompts, 100 tokens each at these rates (trial 1 p1, p2, trial 2 p1, p2)
+        r = [Run([0] * 100, t, 1.0, 0.1, 1.0, plain_tokens=50) for t in tps]
+        return [r[:2], r[2:]]
+
+    rows = per_prompt_rows([plain, adaptive, b3, b5], {"plain": runs(10, 10, 10, 10), "d adaptive": runs(12, 9, 12, 9),
+                                                       "d B=3": runs(11, 8, 13, 8), "d B=5": runs(14, 6, 10, 6)}, 0.0)
+    assert [r["prompt"] for r in rows] == [1, 2]
+    # prompt 1: B=3 at 11 and 13 tok/s is 200 tokens in 100/11 + 100/13 s; B=5: 100/14 + 100/10
+    b3_tps, b5_tps = 200 / (100 / 11 + 100 / 13), 200 / (100 / 14 + 100 / 10)
+    assert rows[0]["best_fixed"] == "d B=3" and rows[0]["best_fixed_tps"] == pytest.approx(b3_tps)
+    assert rows[0]["fixed_tps"]["d B=5"] == pytest.approx(b5_tps)  # 11.67 < 11.92: B=5 is not the best
+    assert rows[0]["vs_best"] == pytest.approx(12 / b3_tps) and rows[0]["vs_plain"] == pytest.approx(1.2)
+    assert rows[1]["vs_best"] == pytest.approx(0.9) and rows[1]["plain_share"] == 0.5  # plain beats every block
+
+
 def test_prompt_suites(tmp_path):
     assert len(load_suite("math")) >= 16 and len(load_suite("code")) == 164
+    long = load_suite("long")
+    assert len(long) >= 8 and len(set(long)) == len(long)
     chat = load_suite("chat", limit=5)
     assert len(chat) == 5 and all(len(p) <= 600 for p in chat)
     path = tmp_path / "mine.jsonl"

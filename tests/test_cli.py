@@ -65,7 +65,8 @@ def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
     words = len(out.split())  # one word per token; EOS is not rendered
     assert 1 <= words <= 10
     assert f"[adaptive B<=8] {words + (words < 10)} tokens at" in err, err
-    assert "tokens by plain steps" in err and "tau" in err and ("finish: length" if words == 10 else "finish: stop") in err
+    assert f"{words + (words < 10) - 1} tokens by plain steps" in err or "tau" in err  # all plain, or some cycles
+    assert ("finish: length" if words == 10 else "finish: stop") in err
 
 
 @pytest.mark.parametrize(

@@ -108,4 +108,4 @@ def test_max_context_falls_back_and_says_so(tokenizer):
     r = generate(model, tokenizer, list(range(10, 30)), drafter, max_context=16, max_tokens=8, eos_token_ids=[])
     assert r.verify_mode == "off" and r.cycles == 0
     r = generate(model, tokenizer, list(range(10, 20)), drafter, max_context=16, max_tokens=8, eos_token_ids=[])
-    assert r.verify_mode == "adaptive" and r.cycles > 0
+    assert r.verify_mode == "adaptive" and r.cycles + r.shadow_probes > 0  # the speculative loop ran

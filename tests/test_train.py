@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm import load
 import numpy as np
 import pytest
 from conftest import make_target
@@ -19,6 +20,7 @@ from mlx.utils import tree_flatten
 import dflash2_mlx.train.data as data
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.decode import plain_steps
+from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
@@ -28,7 +30,7 @@ from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.batches import make_batch, training_vocabulary
 from dflash2_mlx.train.export import run_seconds
 from dflash2_mlx.train.settings import TrainSettings
-from dflash2_mlx.train.trainer import Trainer
+from dflash2_mlx.train.trainer import Trainer, evaluate_folder
 
 # -- data ---------------------------------------------------------------------------------------------------
 
@@ -505,6 +507,13 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 and 1 <= float(r[7]) <= 4 for r in curve)
     assert float(curve[-1][7]) == card["train_tau"] and f"training samples: {card['train_tau']}" in readme
     assert "2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
+    # the acceptance by position (adaptive mode's prior): tau = 1 + sum_i P(drafts 1..i accepted), up to the
+    # card's rounding to 4 decimals; the loaded drafter carries it; the folder's evaluation reproduces the card
+    by_position = card[ACCEPTANCE_FIELD]
+    assert len(by_position) == 3 and all(0 <= p <= 1 for p in by_position)
+    assert abs(1 + np.cumprod(by_position).sum() - card["heldout_tau"]) < 1e-3
+    assert np.allclose(load_drafter(tmp_path / "t" / "drafter").acceptance_prior, by_position)
+    assert evaluate_folder(load(str(target))[0], tmp_path / "d", tmp_path / "t" / "drafter").tau == card["heldout_tau"]
     shutil.rmtree(tmp_path / "t" / "checkpoint")
     runs = {}
     for mode in ("dflash", "off"):

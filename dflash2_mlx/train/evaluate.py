@@ -21,6 +21,7 @@ EVAL_SEQUENCES = 4  # sequences per drafter pass (each with `anchors_per_sequenc
 class Evaluation(NamedTuple):
     tau: float  # mean committed tokens per block, bonus included
     first_draft: float  # fraction of blocks whose first draft is right
+    by_position: tuple[float, ...] = ()  # P(draft i accepted | the drafts before it accepted), i = 1..B-1
 
 
 def accepted_drafts(drafts: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -30,13 +31,21 @@ def accepted_drafts(drafts: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return np.cumprod(match, axis=1).sum(axis=1)
 
 
+def acceptance_by_position(accepted: Sequence[int], block_size: int) -> tuple[float, ...]:
+    """P(draft i accepted | drafts 1..i-1 accepted) for i = 1..B-1, from each block's count of accepted drafts
+    (0.0 where no block got that far): what adaptive mode starts from (the card's `ACCEPTANCE_FIELD`)."""
+    accepted = np.asarray(accepted)
+    reached = [int(np.sum(accepted >= i)) for i in range(block_size)]
+    return tuple(round(reached[i + 1] / reached[i], 4) if reached[i] else 0.0 for i in range(block_size - 1))
+
+
 def evaluate(drafter: DFlashDraftModel, samples: list[Sample], indices: Sequence[int], settings: TrainSettings,
              context: Callable[[Batch], mx.array]) -> Evaluation:
-    """tau = mean(accepted + 1) and first_draft = how often draft 1 is right, over `settings`'s anchors
-    (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
+    """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position,
+    over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
     context rows of a batch (whose `picked` are indices into `samples`)."""
     if not indices:
-        return Evaluation(float("nan"), float("nan"))
+        return Evaluation(float("nan"), float("nan"), ())
     accepted, first = [], []
     for start in range(0, len(indices), EVAL_SEQUENCES):
         chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
@@ -47,4 +56,5 @@ def evaluate(drafter: DFlashDraftModel, samples: list[Sample], indices: Sequence
         drafts, labels = np.array(drafts), np.array(batch.labels)
         accepted += list(accepted_drafts(drafts, labels))
         first += list((drafts[:, 0] == labels[:, 0]) & (labels[:, 0] >= 0))
-    return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)))
+    return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)),
+                      acceptance_by_position(accepted, settings.block_size))

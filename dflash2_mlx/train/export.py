@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..formats.card import ACCEPTANCE_FIELD, CARD_FILE
 from ..formats.config import DraftConfig
 from ..formats.shards import Sample, read_shards
 from ..formats.vocab import COUNTS_FILE, response_counts, write_draft_vocab
@@ -101,12 +102,13 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_raw_weights": evals[-1].get("raw_tau") if evals else None,  # with a moving average (ema)
         "train_tau": evals[-1].get("train_tau") if evals else None,  # the same on training samples
+        ACCEPTANCE_FIELD: evals[-1].get("by_position") if evals else None,  # adaptive mode's prior
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
         "parameters": int(sum(v.size for _, v in tree_flatten(trainer.drafter.parameters()))),
         "draft_vocab": None if trainer.drafter.draft_vocab is None else len(trainer.drafter.draft_vocab),
     }
-    (folder / "card.json").write_text(json.dumps(card, indent=2))
+    (folder / CARD_FILE).write_text(json.dumps(card, indent=2))
     lines = [
         f"# {card['architecture']} drafter for {target_name}",
         "",

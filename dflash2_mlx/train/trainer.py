@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel, TrainingBlocks
+from ..formats.card import CARD_FILE
 from ..formats.config import DraftConfig
 from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
@@ -331,12 +333,13 @@ class Trainer:
                 # every run ends on an evaluation, so the card's tau is that of the weights it describes
                 if self.step % s.eval_every == 0 or last:
                     if self.average is not None:  # the raw weights' numbers beside the average's
-                        tau, first = self.evaluate()
+                        tau, first, _ = self.evaluate()
                         entry.update(raw_tau=round(tau, 4), raw_first_draft=round(first, 4))
                     with self.averaged():
-                        tau, first = self.evaluate()
+                        tau, first, by_position = self.evaluate()
                         seen_tau = self.evaluate("train").tau
-                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4))
+                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4),
+                                 by_position=list(by_position))
                     write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
@@ -378,3 +381,17 @@ def interrupt_requested():
         yield requested
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: int | None = None) -> Evaluation:
+    """The held-out evaluation of a drafter folder trained by `dflash2 train`, with its card's settings (the same
+    draft vocabulary, anchors and held-out samples; `eval_samples` of them if given). E.g. the acceptance by
+    position for the card of a drafter trained before cards had it:
+    `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
+    st = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
+    keep = ("draft_vocab", "reduced_vocabulary", "anchors_per_sequence", "seed", "eval_samples",
+            "selector_factorized", "selector_rank", "selector_top_k")
+    fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
+    settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
+    with tempfile.TemporaryDirectory() as out:
+        return Trainer(model, out, settings).evaluate()
