@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import mlx.core as mx
 import pytest
@@ -23,11 +22,10 @@ ROW_FIELDS = {
 
 def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     target, drafter = tiny_pair
-    tic = time.perf_counter()
     code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--draft-model", str(tiny_dflash2),
                  "--quick", "--block-sizes", "4,8", "--temp", "0", "--temp", "1", "--json", str(tmp_path / "b.json"),
                  "--markdown", str(tmp_path / "b.md")])
-    assert code == 0 and time.perf_counter() - tic < 60
+    assert code == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["errors"] == []
     rows = report["results"]

@@ -79,11 +79,11 @@ def test_logits_match_the_numpy_reference(tmp_path, target, layout, dtype, atol)
 
 @pytest.fixture(scope="module")
 def smollm2_chat(smollm2):
-    """A held-out chat prompt for the default target, and plain decoding's 48 tokens after it."""
+    """A held-out chat prompt for the default target, and plain decoding's 32 tokens after it."""
     model, tokenizer = smollm2
     text = load_suite("chat", 2)[1]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return prompt, generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=48).tokens
+    return prompt, generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=32).tokens
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -95,7 +95,7 @@ def test_quantized_drafters_stay_lossless(smollm2, smollm2_chat, bits):
     drafter = load_drafter(str(default_drafter("dflash2")), quant=DraftQuant(bits, 32, 64))
     assert isinstance(drafter.layers[0].mlp.up_proj, nn.QuantizedLinear)
     bind_drafter(drafter, model)
-    r = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=8, max_tokens=48)
+    r = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=8, max_tokens=32)
     assert r.tokens == plain
     print(f"w{bits}: tau {r.tau:.3f} over {r.cycles} cycles")
     assert sum(r.accepted) > 0, r.accepted

@@ -24,8 +24,10 @@ from dflash2_mlx.target import Target
 
 V = 4  # vocabulary: 4^3 = 64 possible 3-token continuations
 PROMPT = [3, 1, 2]
-N = 1500
-N_BROKEN = 500  # a broken rule fails with a third of the samples (chi2 5-100x the critical value), so the
+# The acceptance rule's law is checked exactly, for every sampler setting (`accept_law` below); these draws
+# through the decode loops check the loops' wiring, one setting per loop.
+N = 600
+N_BROKEN = 300  # a broken rule fails with half the samples (chi2 2.8-80x the critical value), so the
 # tests above, with N, catch it too
 ALPHA = 1e-3  # significance level of every goodness-of-fit test below
 
@@ -140,10 +142,11 @@ def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> Non
     assert set(counts) <= support, "sampled a sequence mlx-lm's filtered sampler can never produce"
 
 
-@pytest.mark.parametrize("name", SETTINGS)
-def test_speculative_sampling_follows_mlx_lm(pair, name):
+def test_speculative_sampling_follows_mlx_lm(pair):
+    """Through the loop: blocks of 3, rows past a rejection, the bonus after full acceptance. (The rule's law at
+    every sampler setting: `test_acceptance_law_is_the_targets` below.)"""
     model, drafter, target = pair
-    params = SETTINGS[name]
+    params = SETTINGS["t0.7-topp0.9"]
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=1), params)
 
 
@@ -163,12 +166,13 @@ def test_plain_sampling_follows_mlx_lm(pair):
 @pytest.mark.parametrize("name", ["t0.7-topp0.9", "t0.7-minp0.2"])
 def test_the_tests_tell_the_sampler_order_apart(pair, name):
     """Draws from the old order (temperature, then the filters) would fail the tests above: their chi-square
-    statistic, noise aside, already exceeds the critical value."""
+    statistic, noise aside, already exceeds the critical value by half. (The exact tests below see it at once:
+    their reference is mlx-lm's order.)"""
     model, _, _ = pair
     params = SETTINGS[name]
     wrong = exact_distribution(model, params, temperature_first)
     stat, critical = chi_square({k: p * N for k, p in wrong.items()}, exact_distribution(model, params), N)
-    assert stat > 2 * critical, f"{name}: chi2 {stat:.1f} vs {critical:.1f}"
+    assert stat > 1.5 * critical, f"{name}: chi2 {stat:.1f} vs {critical:.1f}"
 
 
 def _accept_always(proposal, target_logits, params):
@@ -300,80 +304,143 @@ def test_bad_sampling_params(kw, message):
         SamplingParams(**kw)
 
 
-# -- the acceptance step on sparse proposals ---------------------------------------------------------------
-
-def first_tokens(proposal_for, target_logits: mx.array, params: SamplingParams, n: int, seed: int):
-    """The first committed token of n cycles, and their accepted counts: the cycle commits the
-    accepted drafts, then the bonus."""
-    mx.random.seed(seed)
-    out = []
-    for _ in range(n):
-        proposal = proposal_for()
-        accepted, bonus = accept(proposal, target_logits, params)
-        out.append(mx.stack([accepted, bonus.astype(mx.int32), proposal.tokens[0].astype(mx.int32)]))
-    rows = np.array(mx.stack(out))
-    return np.where(rows[:, 0] > 0, rows[:, 2], rows[:, 1]), rows[:, 0]
+# -- the acceptance step's exact law ------------------------------------------------------------------------
 
 
-def draw_from(candidates: mx.array, probs: mx.array, finite: bool = True):
-    """A proposal drawn from the sparse q (candidates, probs), as a drafter draws one."""
-    def proposal():
-        idx = mx.random.categorical(mx.log(probs))
-        tokens = mx.take_along_axis(candidates, idx[:, None], axis=-1)[:, 0]
-        return Proposal(tokens, candidates, probs, mx.array(finite))
-    return proposal
+def accept_law(candidates: mx.array, probs: mx.array, target_logits: mx.array, params: SamplingParams,
+               finite: bool = True, drafts: dict[int, float] | None = None) -> dict[tuple[int, ...], float]:
+    """The exact law of what one cycle commits (the accepted draft, then the bonus) for a one-draft proposal
+    drawn from the sparse q (candidates [1, k], probs [1, k]; or `drafts`, token -> weight) against the
+    verify rows target_logits [2, V], computed from `accept` itself with its two random draws under the
+    test's control: every draft x with its weight q(x); the uniform draw swept over [0, 1] (the outcome
+    is constant between the points where it changes, found by bisection to 2^-30); the categorical draw
+    read as the distribution `accept` hands to mx.random.categorical."""
+    handed, u_now = [], [0.0]
+
+    def categorical(logits, **kw):
+        handed.append(np.array(logits.astype(mx.float32), dtype=np.float64))
+        return mx.zeros(logits.shape[:-1], dtype=mx.uint32)
+
+    def outcome(x: int, u: float) -> tuple[int, np.ndarray]:
+        u_now[0] = u
+        handed.clear()
+        proposal = Proposal(mx.array([x]), candidates, probs, mx.array(finite))
+        accepted, _ = accept(proposal, target_logits, params)
+        a = int(accepted.item())
+        assert len(handed) == 1, "accept drew its bonus other than by one mx.random.categorical"
+        logits = handed[0] if handed[0].ndim == 1 else handed[0][a]
+        e = np.exp(logits - logits.max())
+        return a, e / e.sum()
+
+    def pieces(x: int, grid: int = 16) -> list[tuple[float, float]]:
+        us = (np.arange(grid) + 0.5) / grid
+        accepted = [outcome(x, u)[0] for u in us]
+        cuts = [0.0]
+        for u0, u1, a0, a1 in zip(us, us[1:], accepted, accepted[1:]):
+            if a0 != a1:
+                for _ in range(30):
+                    mid = (u0 + u1) / 2
+                    u0, u1 = (mid, u1) if outcome(x, mid)[0] == a0 else (u0, mid)
+                cuts.append((u0 + u1) / 2)
+        return list(zip(cuts, cuts[1:] + [1.0]))
+
+    if drafts is None:
+        drafts = {int(x): float(w) for x, w in zip(np.array(candidates[0]), np.array(probs[0])) if w > 0}
+    law = Counter()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.random, "uniform", lambda shape=(), **kw: mx.full(shape, u_now[0], dtype=mx.float32))
+        mp.setattr(mx.random, "categorical", categorical)
+        for x, weight in drafts.items():
+            for lo, hi in pieces(x):
+                a, bonus = outcome(x, (lo + hi) / 2)
+                for y in np.flatnonzero(bonus):
+                    law[(x,) * a + (int(y),)] += weight * (hi - lo) * bonus[y]
+    return law
+
+
+def law_errors(law: dict, target_logits: mx.array, params: SamplingParams) -> tuple[float, float]:
+    """(largest error of the first committed token's law against mlx-lm's distribution of row 0, largest
+    error of the token after an accepted draft against row 1's)."""
+    p = mlx_lm_probabilities(target_logits, params)
+    first = np.zeros(p.shape[-1])
+    after = {}
+    for seq, w in law.items():
+        first[seq[0]] += w
+        if len(seq) == 2:
+            after.setdefault(seq[0], np.zeros(p.shape[-1]))[seq[1]] += w
+    err_after = max((np.abs(row / row.sum() - p[1]).max() for row in after.values() if row.sum() > 1e-6), default=0.0)
+    return float(np.abs(first - p[0]).max()), float(err_after)
+
+
+def accepted_mass(law: dict) -> float:
+    return sum(w for seq, w in law.items() if len(seq) == 2)
 
 
 SPARSE_V = 8
-SPARSE_TARGET = mx.array(np.random.default_rng(0).normal(size=(3, SPARSE_V)) * 1.5, dtype=mx.float32)
-# A draft vocabulary of 3 ids per row, in no particular order, with a q far from the target's p.
-SPARSE_IDS = mx.array([[6, 1, 3], [0, 7, 2]])
-SPARSE_Q = mx.array([[0.7, 0.1, 0.2], [0.5, 0.25, 0.25]])
+SPARSE_TARGET = mx.array(np.random.default_rng(0).normal(size=(2, SPARSE_V)) * 1.5, dtype=mx.float32)
+# A draft vocabulary of 3 ids, in no particular order, with a q far from the target's p.
+SPARSE_IDS = mx.array([[6, 1, 3]])
+SPARSE_Q = mx.array([[0.7, 0.1, 0.2]])
+DENSE_IDS = mx.arange(SPARSE_V)[None]
+DENSE_Q = mx.softmax(mx.array(np.random.default_rng(1).normal(size=(1, SPARSE_V)) * 2, dtype=mx.float32), axis=-1)
+ALL_SETTINGS = {**{str(s): s for s in UNIT_SETTINGS}, **{str(s): s for s in SETTINGS.values()}}
 
 
-def test_sparse_proposal_keeps_the_target_distribution():
-    """Drafts from a subset of the vocabulary (q zero outside it): the first committed token still
-    follows mlx-lm's distribution of the target's row 0, including the tokens q never proposes and
-    (filtered out by top-p) a candidate the target never draws."""
-    n, params = 2000, SamplingParams(0.7, top_p=0.9)
-    tokens, accepted = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
-    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
-    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
-    assert 0 < (accepted > 0).mean() < 1  # both the kept and the resampled branch were exercised
+@pytest.mark.parametrize("q", ["dense", "sparse"])
+@pytest.mark.parametrize("name", ALL_SETTINGS)
+def test_acceptance_law_is_the_targets(name, q):
+    """Exactly: the first committed token follows mlx-lm's distribution of row 0 (the tokens q never proposes
+    and, filtered out, candidates the target never draws included), the token after an accepted draft row 1's,
+    and drafts are kept as often as any lossless rule can keep them: sum_x min(p(x), q(x))."""
+    params = ALL_SETTINGS[name]
+    ids, probs = (DENSE_IDS, DENSE_Q) if q == "dense" else (SPARSE_IDS, SPARSE_Q)
+    law = accept_law(ids, probs, SPARSE_TARGET, params)
+    assert abs(sum(law.values()) - 1) < 1e-6
+    first, after = law_errors(law, SPARSE_TARGET, params)
+    assert first < 2e-6 and after < 2e-6, (first, after)
+    p0 = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
+    q_full = np.zeros(SPARSE_V)
+    q_full[np.array(ids[0])] = np.array(probs[0])
+    assert accepted_mass(law) == pytest.approx(np.minimum(p0, q_full).sum(), abs=2e-6)
+    assert 0 < accepted_mass(law) < 1  # both the kept and the resampled branch are in the law
 
 
-def test_sparse_proposal_test_catches_a_dense_reading_of_q(monkeypatch):
-    """The same test fails when q is read as if its candidates were ids 0..k-1."""
-    n, params = 2000, SamplingParams(0.7, top_p=0.9)
+@pytest.mark.parametrize("broken", [_accept_always, _resample_from_target])
+def test_the_exact_law_catches_a_broken_acceptance_rule(broken, monkeypatch):
+    params = SETTINGS["t1"]
+    monkeypatch.setattr(sampling, "accept_sampled", broken)
+    first, _ = law_errors(accept_law(DENSE_IDS, DENSE_Q, SPARSE_TARGET, params), SPARSE_TARGET, params)
+    assert first > 0.05, f"a broken rule passed: first-token error {first:.2g}"
+
+
+def test_the_exact_law_catches_a_dense_reading_of_q(monkeypatch):
+    """q read as if its candidates were ids 0..k-1 breaks the law."""
+    params = SamplingParams(0.7, top_p=0.9)
     dense_ids = mx.broadcast_to(mx.arange(3), SPARSE_IDS.shape)
     real = sampling.accept_sampled
     monkeypatch.setattr(sampling, "accept_sampled",
                         lambda prop, logits, params: real(prop._replace(candidates=dense_ids), logits, params))
-    tokens, _ = first_tokens(draw_from(SPARSE_IDS, SPARSE_Q), SPARSE_TARGET, params, n, seed=0)
-    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
-    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
-    assert stat > critical, f"a misplaced q passed: chi2 {stat:.1f} < {critical:.1f}"
+    first, _ = law_errors(accept_law(SPARSE_IDS, SPARSE_Q, SPARSE_TARGET, params), SPARSE_TARGET, params)
+    assert first > 0.05, f"a misplaced q passed: first-token error {first:.2g}"
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(1.0)], ids=["greedy", "t1"])
 @pytest.mark.parametrize("q", [1.0, math.nan], ids=["finite-q", "nan-q"])
 def test_non_finite_proposal_commits_the_targets_own_token(params, q):
-    """finite=False: nothing is accepted (even drafts the target likes, whatever q says) and the bonus
+    """finite=False: nothing is accepted (even a draft the target likes, whatever q says) and the bonus
     is drawn from the target's row 0 alone."""
-    n = 1500 if not params.greedy else 20
-    likes = mx.argmax(SPARSE_TARGET[:2], axis=-1)  # drafts the target would accept at T = 0
-    ids = mx.stack([likes, (likes + 1) % SPARSE_V], axis=1)
-    probs = mx.array([[q, 1 - q], [q, 1 - q]])
-    proposal = lambda: Proposal(likes, ids, probs, mx.array(False))  # noqa: E731
-    tokens, accepted = first_tokens(proposal, SPARSE_TARGET, params, n, seed=1)
-    assert (accepted == 0).all()
+    likes = int(mx.argmax(SPARSE_TARGET[0]))  # a draft the target would accept at T = 0
+    ids = mx.array([[likes, (likes + 1) % SPARSE_V]])
+    probs = mx.array([[q, 1 - q]])
     if params.greedy:
-        assert set(tokens.tolist()) == {int(likes[0])}
+        proposal = Proposal(mx.array([likes]), ids, probs, mx.array(False))
+        accepted, bonus = accept(proposal, SPARSE_TARGET, params)
+        assert (accepted.item(), bonus.item()) == (0, likes)
         return
-    expected = mlx_lm_probabilities(SPARSE_TARGET[:1], params)[0]
-    stat, critical = chi_square(Counter(tokens.tolist()), dict(enumerate(expected)), n)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not the target's row-0 distribution"
+    law = accept_law(ids, probs, SPARSE_TARGET, params, finite=False, drafts={likes: 1.0})
+    assert accepted_mass(law) == 0
+    first, _ = law_errors(law, SPARSE_TARGET, params)
+    assert first < 2e-6, first
 
 
 def test_sampling_needs_the_draft_distribution():
