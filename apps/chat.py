@@ -71,6 +71,7 @@ def add_parser(sub) -> None:
     )
     common.add_model_args(p)
     common.add_sampling_args(p)
+    common.add_processor_args(p)
     p.add_argument("--system-prompt", help="a system message opening the conversation")
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the conversation's caches from turn to turn")
