@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import io
 import json
+import sys
 from collections import Counter
 
 import mlx.core as mx
@@ -311,6 +313,19 @@ def test_cli_processor_flag_errors_are_one_line(tiny_pair, capsys, flags, messag
     assert main(["generate", "--model", str(tiny_pair[0]), "--verify-mode", "off", "--max-tokens", "2", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_chat_takes_the_flags(tiny_pair, tiny_dflash2, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6 w7\nq\n"))
+    assert main(["chat", "--model", str(tiny_pair[0]), "--draft-model", str(tiny_dflash2), "--verify-mode", "dflash",
+                 "--max-tokens", "8", "--repetition-penalty", "1.5", "--logit-bias", "17:3"]) == 0
+    out = capsys.readouterr().out
+    model, tokenizer = mlx_lm_load(str(tiny_pair[0]))
+    ids = tokenizer.apply_chat_template(user("w5 w6 w7"), add_generation_prompt=True)
+    procs = make_logits_processors(logit_bias={17: 3.0}, repetition_penalty=1.5)
+    want = generate(model, tokenizer, ids, None, verify_mode="off", max_tokens=8, logits_processors=procs)
+    assert want.text != generate(model, tokenizer, ids, None, verify_mode="off", max_tokens=8).text
+    assert out == f">> {want.text}\n>> "
 
 
 def test_server_takes_repetition_penalty_and_logit_bias(tiny_pair, tiny_dflash2):
