@@ -13,6 +13,7 @@ import time
 from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
 from dflash2_mlx.generate import summarize
+from dflash2_mlx.target import Target
 
 HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
 
@@ -71,6 +72,7 @@ def add_parser(sub) -> None:
     )
     common.add_model_args(p)
     common.add_sampling_args(p)
+    common.add_processor_args(p)
     p.add_argument("--system-prompt", help="a system message opening the conversation")
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the conversation's caches from turn to turn")
@@ -79,5 +81,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     model, tokenizer, drafter = common.load_pair(args)
-    repl(model, tokenizer, drafter, common.generation_kwargs(args), args.system_prompt, args.prompt_cache)
+    repl(model, tokenizer, drafter, common.generation_kwargs(args, Target(model).vocab_size), args.system_prompt,
+         args.prompt_cache)
     return 0

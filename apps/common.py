@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from inspect import signature
 
+from mlx_lm.sample_utils import make_logits_processors
+
 from dflash2_mlx import load
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_generate
@@ -83,6 +85,50 @@ def add_sampling_args(p) -> None:
     p.add_argument("--seed", type=int, help="default: MLX's global random state")
 
 
+def add_processor_args(p) -> None:
+    """mlx-lm's logits processors (`make_logits_processors`), named as its server's request fields."""
+    p.add_argument("--repetition-penalty", type=float, metavar="F",
+                   help="divide (multiply, if negative) the logits of tokens among the last "
+                   "--repetition-context-size tokens by F, as mlx-lm does (default: off)")
+    p.add_argument("--repetition-context-size", type=int, metavar="N",
+                   help="tokens the repetition penalty looks back over, prompt included (default 20)")
+    p.add_argument("--logit-bias", metavar="ID:BIAS,...",
+                   help="add BIAS to token ID's logit before every choice, e.g. '42:-100,7:2.5'")
+
+
+def parse_logit_bias(text: str) -> dict[int, float]:
+    """'ID:BIAS,...' -> {ID: BIAS}."""
+    bias = {}
+    for item in text.split(","):
+        token, sep, value = item.strip().partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes comma-separated TOKEN_ID:BIAS pairs, e.g. '42:-100,7:2.5'; "
+                             f"got {item.strip()!r}") from None
+        if int(token) < 0:
+            raise ValueError(f"--logit-bias token ids are >= 0, got {token}")
+    return bias
+
+
+def logits_processors(args, vocab_size: int | None = None) -> list:
+    """mlx-lm's processors for --repetition-penalty, --repetition-context-size and --logit-bias (none unset);
+    `vocab_size`: refuse bias on token ids the target does not have."""
+    penalty, size = getattr(args, "repetition_penalty", None), getattr(args, "repetition_context_size", None)
+    text = getattr(args, "logit_bias", None)
+    if penalty is not None and not penalty >= 0:
+        raise ValueError(f"--repetition-penalty must be >= 0 (1 or 0 = off, above 1 discourages repeats), got {penalty}")
+    if size is not None and size < 1:
+        raise ValueError(f"--repetition-context-size must be at least 1, got {size}")
+    if size is not None and not penalty:
+        raise ValueError("--repetition-context-size applies to --repetition-penalty: set one")
+    bias = parse_logit_bias(text) if text else None
+    if bias and vocab_size is not None and max(bias) >= vocab_size:
+        raise ValueError(f"--logit-bias token id {max(bias)} is outside the target's vocabulary ({vocab_size})")
+    return make_logits_processors(logit_bias=bias, repetition_penalty=penalty,
+                                  repetition_context_size=20 if size is None else size)
+
+
 def apply_omlx_settings(args) -> None:
     """Fill what the command line left unset from the oMLX entry; explicit flags win."""
     if bool(args.omlx_settings) != bool(args.omlx_model):
@@ -124,8 +170,9 @@ def load_pair(args):
     )
 
 
-def generation_kwargs(args) -> dict:
-    """`stream_generate`'s keyword arguments from the model and sampling flags (its own default where unset)."""
+def generation_kwargs(args, vocab_size: int | None = None) -> dict:
+    """`stream_generate`'s keyword arguments from the model and sampling flags (its own default where unset), and
+    the logits processors of `add_processor_args`' flags, if the command has them (`vocab_size`: the target's)."""
     given = dict(
         max_tokens=args.max_tokens,
         temp=args.temp,
@@ -141,7 +188,8 @@ def generation_kwargs(args) -> dict:
         prefill_step_size=args.prefill_step_size,
     )
     defaults = generation_defaults()
-    return {k: defaults[k] if v is None and k in defaults else v for k, v in given.items()}
+    kwargs = {k: defaults[k] if v is None and k in defaults else v for k, v in given.items()}
+    return {**kwargs, "logits_processors": logits_processors(args, vocab_size) or None}
 
 
 def add_draft_vocab_args(p) -> None:

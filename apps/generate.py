@@ -7,6 +7,7 @@ import sys
 
 from dflash2_mlx import generate
 from dflash2_mlx.runtime import runtime_info
+from dflash2_mlx.target import Target
 
 from dflash2_apps import common
 
@@ -20,6 +21,7 @@ def add_parser(sub) -> None:
     common.add_model_args(p)
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     common.add_sampling_args(p)
+    common.add_processor_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.set_defaults(run=run)
@@ -32,7 +34,7 @@ def run(args) -> int:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-    kwargs = common.generation_kwargs(args)
+    kwargs = common.generation_kwargs(args, Target(model).vocab_size)
     result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)

@@ -29,6 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from mlx_lm.sample_utils import make_logits_processors
+
 from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
@@ -281,6 +283,7 @@ class App:
             raise ApiError(400, str(e).replace("temperature", "'temperature'")) from None
         kwargs.update(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         kwargs["seed"] = _field(body, "seed", int, kwargs["seed"], expect="an integer")
+        kwargs["logits_processors"] = self._processors(body) or kwargs.get("logits_processors")
         stop = _field(body, "stop", (str, list), [], expect="a string or a list of strings")
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) for s in stop):
@@ -299,6 +302,21 @@ class App:
             limit = kwargs["max_tokens"] if context is None else min(kwargs["max_tokens"], context - n)
         kwargs["max_tokens"] = limit
         return Request(kind, prompt, kwargs, stream, include_usage, stop)
+
+    def _processors(self, body: dict) -> list:
+        """mlx-lm's logits processors from the request's `repetition_penalty`, `repetition_context_size` and
+        `logit_bias` ({"token id": bias}, OpenAI's shape), as mlx-lm's server reads them (0 = no penalty)."""
+        penalty = _field(body, "repetition_penalty", (int, float), 0.0, lambda v: v >= 0, expect="a number >= 0")
+        size = _field(body, "repetition_context_size", int, 20, lambda v: v >= 1, expect="an integer >= 1")
+        bias = _field(body, "logit_bias", dict, None, expect="an object of token id to bias")
+        if bias:
+            ids = [int(k) if isinstance(k, str) and k.strip().isdigit() else -1 for k in bias]
+            numbers = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()]
+            if not all(numbers) or not all(0 <= i < self.vocab_size for i in ids):
+                raise ApiError(400, "'logit_bias' must map token ids (as strings, each below the vocabulary size "
+                               f"{self.vocab_size}) to numbers, e.g. {{\"42\": -100}}", param="logit_bias")
+            bias = {i: float(v) for i, v in zip(ids, bias.values())}
+        return make_logits_processors(logit_bias=bias, repetition_penalty=penalty, repetition_context_size=size)
 
     def _prompt(self, kind: str, body: dict):
         if kind == "chat":

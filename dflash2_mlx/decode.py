@@ -3,7 +3,8 @@ token tree (`tree.py`); `plain_steps` is the baseline.
 
 Both yield a `Step` per decode step and never stop on their own: the caller (`generate.stream_generate`)
 cuts at EOS and `max_tokens`. Passing `max_tokens` lets the last cycle shrink its block instead of
-drafting tokens that could never be committed.
+drafting tokens that could never be committed. `logits_processors` (mlx-lm's) process every row a token is
+chosen from, verify rows included (`sampling.Processing`); without them the loops run exactly as before.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import numpy as np
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams, accept, draft_acceptance, sample
+from .sampling import LogitsProcessor, Processing, SamplingParams, accept, draft_acceptance, processing, sample
 from .target import Capture, Target
 from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
-                   tree_attention)
+                   process_tree_rows, tree_attention)
 
 
 # MLX's cached buffers are freed after the first token and then every CLEAR_EVERY tokens, as mlx-lm's loop does:
@@ -42,17 +43,18 @@ class Step(NamedTuple):
 
 def plain_steps(
     target: Target, prompt: mx.array, params: SamplingParams, prefill_step_size: int = 2048,
-    prompt_cache: PromptCache | None = None,
+    prompt_cache: PromptCache | None = None, logits_processors: list[LogitsProcessor] | None = None,
 ) -> Iterator[Step]:
     """One target forward per token; the next token is computed while the caller reads this one."""
     state = prompt_cache if prompt_cache is not None else PromptCache()
+    procs = processing(logits_processors, prompt)
     with state.filling():
         cache, _, _, rest = state.start(target, None, prompt)
         logits = target.prefill(rest, cache, prefill_step_size)
-        token, clear_at = sample(logits, params), 1
+        token, clear_at = _choose(logits, params, procs), 1
         for produced in itertools.count(1):
             logits = target(token.reshape(1), cache)
-            next_token = sample(logits[-1], params)
+            next_token = _choose(logits[-1], params, procs)
             mx.async_eval(next_token)
             yield state.commit(Step([token.item()]), [])
             clear_at = _free_buffers(produced, clear_at)
@@ -69,16 +71,18 @@ def dflash_steps(
     prefill_step_size: int = 2048,
     walk: str = "greedy",
     prompt_cache: PromptCache | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
 ) -> Iterator[Step]:
     """`blocks` picks each cycle's block size: B >= 2 drafts B-1 tokens, B = 1 runs plain steps.
     `prompt_cache`: start from the prefix it shares with `prompt`, and leave this generation's caches in it."""
     state = prompt_cache if prompt_cache is not None else PromptCache()
+    procs = processing(logits_processors, prompt)
     mask_id = drafter.config.mask_token_id
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
-        anchor = sample(logits, params)
+        anchor = _choose(logits, params, procs)
         yield state.commit(Step([anchor.item()]), [context])
         produced, tic, clear_at = 1, time.perf_counter(), 1
         while True:
@@ -93,7 +97,7 @@ def dflash_steps(
                 mx.async_eval([a for a in shadow if a is not None])
                 rows, drawn, logits = [], [], []
                 for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append,
-                                                              logits.append)):
+                                                              logits.append, procs)):
                     drawn.append(anchor)
                     if i == run - 1:  # every token of the run drawn: the probe's score, read with the last one
                         chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
@@ -110,12 +114,16 @@ def dflash_steps(
             proposal = drafter.propose(_block(anchor, B, mask_id), context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
+            # Processors see each row's drafts before it, as plain decoding would have after accepting them.
+            rows = verified.logits if procs is None else procs.rows(verified.logits, proposal.tokens)
             # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
-            accepted, bonus = accept(proposal, verified.logits, params, "accept_greedy" in drafter.metal_kernels)
+            accepted, bonus = accept(proposal, rows, params, "accept_greedy" in drafter.metal_kernels)
             # The only device -> host transfer of the cycle.
             head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
             result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()
             a, bonus_id = result[0], result[1]
+            if procs is not None:
+                procs.commit(result[3 : 3 + a] + [bonus_id])
             tap.rollback(cache, verified, a + 1)
             context = verified.features[: a + 1]  # features of the anchor and the accepted drafts only
             anchor = mx.array(bonus_id, dtype=anchor.dtype)
@@ -135,18 +143,20 @@ def tree_steps(
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
     prompt_cache: PromptCache | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
 ) -> Iterator[Step]:
     """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep. Two reads per
     cycle: the lattice (the tree is built on the host) and the target's choice at every node."""
     check_target(target)
     state = prompt_cache if prompt_cache is not None else PromptCache()
+    procs = processing(logits_processors, prompt)
     mask_id = drafter.config.mask_token_id
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         check_cache(cache)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
-        anchor = sample(logits, params).item()
+        anchor = _choose(logits, params, procs).item()
         yield state.commit(Step([anchor]), [context])
         produced, blocks, clear_at = 1, FixedBlocks(block_size), 1
         while True:
@@ -164,7 +174,10 @@ def tree_steps(
             # Verify: one target pass over the tree, each node at its depth seeing its ancestors only.
             with tree_attention(target, cache, tree):
                 verified = tap.verify(mx.array(tree.tokens), cache)
-            path, anchor = accept_tree(tree, verified.logits, params)
+            rows = verified.logits if procs is None else process_tree_rows(tree, verified.logits, procs)
+            path, anchor = accept_tree(tree, rows, params)
+            if procs is not None:
+                procs.commit([tree.tokens[i] for i in path[1:]] + [anchor])
             keep_path_first(cache, tree.size, path)
             tap.rollback(cache, verified, len(path))
             context = verified.features[mx.array(path)]
@@ -186,18 +199,30 @@ def _block(anchor: mx.array, B: int, mask_id: int) -> mx.array:
     return mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])[None]
 
 
+def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None) -> mx.array:
+    """The next token from `logits` [V], processed first if there are processors (then committed to them)."""
+    if procs is None:
+        return sample(logits, params)
+    token = sample(procs.row(logits), params)
+    procs.commit(token)
+    return token
+
+
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features,
-               keep_logits):
+               keep_logits, procs: Processing | None = None):
     """n plain steps inside a speculative generation, pipelined as `plain_steps` is: yields (step, the next
     anchor) and hands each fed token's features to `keep_features`, for the drafter's next context, and the
-    logits the next token is drawn from to `keep_logits`."""
+    logits the next token is drawn from (processed, with processors) to `keep_logits`."""
     token = anchor
     for i in range(n + 1):
         if i < n:  # the next step is scheduled before this one's token is read
             logits, features = tap.forward(token.reshape(1), cache)
+            row = logits[-1] if procs is None else procs.row(logits[-1])
             keep_features(features)
-            keep_logits(logits[-1])
-            next_token = sample(logits[-1], params)
+            keep_logits(row)
+            next_token = sample(row, params)
+            if procs is not None:
+                procs.commit(next_token)
             mx.async_eval(next_token, features)
         if i > 0:
             yield Step([token.item()], block_size=1), token

@@ -19,7 +19,7 @@ from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams
+from .sampling import LogitsProcessor, SamplingParams
 from .target import Target
 from .tree import TREE_BUDGET_MAX, default_budget
 
@@ -134,6 +134,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     eos_token_ids: Sequence[int] | None = None,
     prompt_cache: PromptCache | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
     same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
@@ -153,6 +154,11 @@ def stream_generate(
     the records then say verify_mode "off".
     prompt_cache: a `PromptCache` passed to consecutive generations (a multi-turn chat): each reuses the
     caches for the prefix its prompt shares with the previous one's tokens (`prompt_cache.reused` says how many).
+    logits_processors: mlx-lm's (`proc(tokens, logits) -> logits`, e.g. from
+    `mlx_lm.sample_utils.make_logits_processors`), applied as mlx-lm's `generate_step` applies them (tokens: the
+    whole prompt and the tokens generated before the row) to every row a token is chosen from, in every verify
+    mode: inside a verify pass each row sees the drafts before it, so the output is still exactly what plain
+    decoding with the same processors gives (`sampling.Processing`).
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
@@ -168,6 +174,10 @@ def stream_generate(
                              "instead: leave the walk (--path) at greedy")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    logits_processors = list(logits_processors or [])
+    if not all(callable(p) for p in logits_processors):
+        raise ValueError("logits_processors must be a list of callables proc(tokens, logits) -> logits "
+                         "(e.g. mlx_lm.sample_utils.make_logits_processors(...))")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -189,13 +199,14 @@ def stream_generate(
         if tree_budget is None:
             tree_budget = default_budget(load_or_measure_costs(target, drafter, B, TREE_BUDGET_MAX + 1), B)
         steps = tree_steps(target, drafter, prompt, params, B, tree_budget, max_tokens, prefill_step_size,
-                           prompt_cache)
+                           prompt_cache, logits_processors)
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
-        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache)
+        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache,
+                             logits_processors)
     else:
-        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache)
+        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache, logits_processors)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()

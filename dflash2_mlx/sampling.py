@@ -9,7 +9,7 @@ the distribution mlx-lm's own sampler draws from the target.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -67,6 +67,49 @@ def sample(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.greedy:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(_sampling_logits(logits, params))
+
+
+# mlx-lm's logits processor: (the tokens before a position, its logits [1, V]) -> processed logits [1, V]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class Processing:
+    """mlx-lm's logits processors (`mlx_lm.sample_utils.make_logits_processors`: logit bias, repetition penalty,
+    ...) applied as its `generate_step` applies them: to each next-token row, as [1, V], with `tokens` [n]
+    (uint32), the whole prompt and every token generated before that row, in the listed order.
+
+    `tokens` holds the prompt and the committed tokens, the current anchor included (`commit`). In a verify
+    pass over [anchor, d_1 .. d_n], row i (the target's logits for the token after d_i) is processed with
+    `tokens` + d_1 .. d_i: what plain decoding would have shown the processors had d_1 .. d_i been accepted,
+    so acceptance (greedy or sampled) against the processed rows commits exactly the processed target's
+    tokens. Everything stays lazy: no host read."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor], prompt: mx.array):
+        self.processors = list(processors)
+        self.tokens = prompt.astype(mx.uint32).reshape(-1)
+
+    def row(self, logits: mx.array, after: mx.array | None = None) -> mx.array:
+        """One processed row [V]: the logits [V] of the position after `tokens`, then `after` (drafts) if given."""
+        tokens = self.tokens if after is None or after.size == 0 else mx.concatenate([self.tokens, after])
+        out = logits[None]
+        for processor in self.processors:
+            out = processor(tokens, out)
+        return out[0]
+
+    def rows(self, logits: mx.array, drafts: mx.array) -> mx.array:
+        """The verify rows [n+1, V] of [anchor, drafts[:n]], row i processed after drafts[:i]."""
+        drafts = drafts.astype(mx.uint32)
+        return mx.stack([self.row(logits[i], drafts[:i]) for i in range(logits.shape[0])])
+
+    def commit(self, tokens: mx.array | list[int]) -> None:
+        """Tokens committed (on the device, or read already): the rows after them see them."""
+        new = mx.array(tokens, mx.uint32) if isinstance(tokens, list) else tokens.astype(mx.uint32).reshape(-1)
+        self.tokens = mx.concatenate([self.tokens, new])
+
+
+def processing(processors: Sequence[LogitsProcessor] | None, prompt: mx.array) -> Processing | None:
+    """A `Processing` of `prompt`, or None (the loops' unprocessed path, unchanged) for no processors."""
+    return Processing(processors, prompt) if processors else None
 
 
 class Proposal(NamedTuple):

@@ -32,7 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from . import patches
-from .sampling import SamplingParams, sample
+from .sampling import Processing, SamplingParams, sample
 from .selector import Lattice
 
 V1_TOP_K = 8  # candidates per row for v1 drafters (DFlash 2 drafters use their selector's top-k)
@@ -79,6 +79,16 @@ def accept_tree(tree: Tree, target_logits: mx.array, params: SamplingParams) -> 
     """(accepted path as node indices, anchor first; bonus token) from the verify rows [N+1, V] of `tree`:
     the target's choice at every node (one read), then `Tree.walk`. Exact at T > 0 (see the module note)."""
     return tree.walk(sample(target_logits, params).tolist())
+
+
+def process_tree_rows(tree: Tree, target_logits: mx.array, procs: Processing) -> mx.array:
+    """The verify rows [N+1, V] of `tree` through mlx-lm's logits processors: node i's row after the drafts on
+    its path (its ancestors below the anchor, and itself), what plain decoding shows them had that path been
+    accepted (`sampling.Processing`)."""
+    seen = tree.ancestors()
+    return mx.stack([
+        procs.row(target_logits[i], mx.array([tree.tokens[j] for j in range(1, tree.size) if seen[i, j]], mx.uint32))
+        for i in range(tree.size)])
 
 
 def default_budget(costs, block_size: int) -> int:

@@ -162,11 +162,14 @@ class OracleDrafter(DFlashDraftModel):
     """A drafter that knows the target: it proposes the target's own greedy continuation, optionally
     spoiled from a random position on (so every acceptance length occurs), and checks on every call
     that the context it is given is exactly the target features of the rows committed since the last
-    call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping."""
+    call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping. With mlx-lm
+    `processors`, its continuation is the processed target's (each row processed as mlx-lm's generate_step
+    does: after the prompt and every token before it)."""
 
     def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None,
-                 right_for: int | None = None, right_between: tuple[int, int] | None = None):
+                 right_for: int | None = None, right_between: tuple[int, int] | None = None, processors=()):
         super().__init__(config)
+        self.processors = list(processors)
         self.prompt_len, self.right_for, self.right_between = len(prompt), right_for, right_between
         self.mirror = Target(copy_model(model), config.target_layer_ids)
         self.history = [int(t) for t in prompt]
@@ -213,16 +216,19 @@ class OracleDrafter(DFlashDraftModel):
         cache, out = self.mirror.make_cache(), []
         logits = self.mirror.model(mx.array(seq)[None], cache=cache)[0, -1]
         for _ in range(n):
+            for processor in self.processors:
+                logits = processor(mx.array(seq + out, mx.uint32), logits[None])[0]
             out.append(int(mx.argmax(logits).item()))
             logits = self.mirror.model(mx.array([[out[-1]]]), cache=cache)[0, -1]
         return out
 
 
-def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None, right_between=None) -> OracleDrafter:
+def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None, right_between=None,
+                processors=()) -> OracleDrafter:
     from dflash2_mlx.loading import bind_drafter
 
     oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for,
-                           right_between)
+                           right_between, processors)
     bind_drafter(oracle, model)
     return oracle
 
