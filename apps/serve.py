@@ -29,12 +29,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import mlx.core as mx
+
 from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
-from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
+from dflash2_mlx.generate import GenerationResponse, encode_text, resolve_block_size, summarize
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
+from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
 log = logging.getLogger("dflash2.serve")
 
@@ -226,6 +231,25 @@ def _message_text(i: int, message) -> tuple[str, str]:
     return role, content
 
 
+def warm_start(model, drafter, defaults: dict) -> dict:
+    """`stream_generate`'s keyword arguments that spare every request the measurement of this machine's cycle
+    costs: adaptive mode's cost model, or ddtree's tree budget when --tree-budget is unset, loaded from the cache
+    or measured now, before the server accepts a request. Requests never measure: a stale verdict during serving
+    drops the cached copy (logged; the next start measures anew) while this curve stays in use, adaptive mode
+    rescaling it online within each request by the cycles and plain steps it times."""
+    mode = defaults.get("verify_mode")
+    if drafter is None or mode not in ("adaptive", "ddtree"):
+        return {}
+    target = bind_drafter(drafter, model)
+    block = resolve_block_size(drafter, defaults.get("block_size"), mode)
+    if mode == "adaptive":
+        return {"costs": load_or_measure_costs(target, drafter, block)}
+    if defaults.get("tree_budget") is None:
+        return {"tree_budget": default_budget(load_or_measure_costs(target, drafter, block, TREE_BUDGET_MAX + 1),
+                                              block)}
+    return {}
+
+
 @dataclass
 class Request:
     kind: str  # "chat" or "text"
@@ -240,8 +264,14 @@ class App:
     """What the HTTP handlers share: the worker, the model's name and context, and the default settings."""
 
     def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings):
-        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset."""
-        self.tokenizer, self.model_id, self.defaults, self.settings = tokenizer, model_id, defaults, settings
+        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset. The cycle costs
+        adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`), before
+        the worker starts."""
+        self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
+        tic = time.perf_counter()
+        self.defaults = {**defaults, **warm_start(model, drafter, defaults)}
+        if self.defaults.keys() != defaults.keys():
+            log.info("cycle costs ready in %.1f s (loaded or measured once, before serving)", time.perf_counter() - tic)
         self.request_timeout = settings.request_timeout
         self.vocab_size = Target(model).vocab_size
         model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -388,12 +418,20 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"object": "list", "data": [
                 {"id": app.model_id, "object": "model", "created": app.created, "owned_by": "dflash2"}]})
         elif self.path == "/health":
-            alive = app.worker.thread.is_alive()
-            self._send_json(200 if alive else 503, {
-                "status": "ok" if alive else "unavailable", "queued": app.worker.jobs.qsize(),
-                "running": app.worker.running is not None})
+            self._send_health()
         else:
             self._send_error(ApiError(404, f"no route GET {self.path}", code="not_found"))
+
+    def _send_health(self) -> None:
+        """The server's state: up (its worker alive), what it serves, requests waiting and running, memory."""
+        app = self.app
+        alive = app.worker.thread.is_alive()
+        self._send_json(200 if alive else 503, {
+            "status": "ok" if alive else "unavailable", "model": app.model_id,
+            "verify_mode": app.defaults.get("verify_mode"), "queued": app.worker.jobs.qsize(),
+            "running": app.worker.running is not None,
+            "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
+                       "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
 
     def do_POST(self):
         kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path.rstrip("/"))
