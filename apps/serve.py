@@ -271,7 +271,7 @@ class App:
         tic = time.perf_counter()
         self.defaults = {**defaults, **warm_start(model, drafter, defaults)}
         if self.defaults.keys() != defaults.keys():
-            log.info("cycle costs ready in %.1f s (loaded or measured once, before serving)", time.perf_counter() - tic)
+            log.info("cycle costs ready in %.1f s (loaded or measured once, at startup)", time.perf_counter() - tic)
         self.request_timeout = settings.request_timeout
         self.vocab_size = Target(model).vocab_size
         model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
