@@ -258,16 +258,20 @@ class Request:
     stream: bool
     include_usage: bool
     stop: list[str]
+    model: str = ""  # the served name the request used, echoed in the answer
 
 
 class App:
     """What the HTTP handlers share: the worker, the model's name and context, and the default settings."""
 
-    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings):
-        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset. The cycle costs
+    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings,
+                 served_names: tuple[str, ...] = ()):
+        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset; `served_names`:
+        the names (beside `model_id`) clients may use in 'model' (--served-model-name). The cycle costs
         adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`), before
         the worker starts."""
         self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
+        self.model_names = list(dict.fromkeys([model_id, *served_names]))
         tic = time.perf_counter()
         self.defaults = {**defaults, **warm_start(model, drafter, defaults)}
         if self.defaults.keys() != defaults.keys():
@@ -285,10 +289,7 @@ class App:
     def parse(self, kind: str, body) -> Request:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = _field(body, "model", str, expect="a string")
-        if model not in (None, self.model_id, "default_model"):
-            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {self.model_id!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
+        model = self.served_name(_field(body, "model", str, expect="a string"))
         stream = _field(body, "stream", bool, False, expect="true or false")
         options = _field(body, "stream_options", dict, {}, expect="an object")
         include_usage = _field(options, "include_usage", bool, False, expect="true or false")
@@ -328,7 +329,18 @@ class App:
         if limit is None:
             limit = kwargs["max_tokens"] if context is None else min(kwargs["max_tokens"], context - n)
         kwargs["max_tokens"] = limit
-        return Request(kind, prompt, kwargs, stream, include_usage, stop)
+        return Request(kind, prompt, kwargs, stream, include_usage, stop, model)
+
+    def served_name(self, model: str | None) -> str:
+        """The name a request's 'model' picks, echoed in its answer: one of the served names (the model's id, the
+        --served-model-name ones), or the id when unset or mlx_lm.server's "default_model"; others get a 404."""
+        if model is None or model == "default_model":
+            return self.model_id
+        if model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {served} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        return model
 
     def _prompt(self, kind: str, body: dict):
         if kind == "chat":
@@ -416,7 +428,8 @@ class Handler(BaseHTTPRequestHandler):
         app = self.app
         if self.path.rstrip("/") == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
-                {"id": app.model_id, "object": "model", "created": app.created, "owned_by": "dflash2"}]})
+                {"id": name, "object": "model", "created": app.created, "owned_by": "dflash2"}
+                for name in app.model_names]})
         elif self.path == "/health":
             self._send_health()
         else:
@@ -428,6 +441,7 @@ class Handler(BaseHTTPRequestHandler):
         alive = app.worker.thread.is_alive()
         self._send_json(200 if alive else 503, {
             "status": "ok" if alive else "unavailable", "model": app.model_id,
+            "served_model_names": app.model_names,
             "verify_mode": app.defaults.get("verify_mode"), "queued": app.worker.jobs.qsize(),
             "running": app.worker.running is not None,
             "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
@@ -473,7 +487,7 @@ class Handler(BaseHTTPRequestHandler):
         kind = "text_completion"
         if request.kind == "chat":
             kind = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.app.model_id}
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": request.model or self.app.model_id}
 
     def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False) -> dict:
         if request.kind == "text":
@@ -618,16 +632,28 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
                    help="reuse the previous request's caches for the prefix a request shares with it")
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
+                   "as vLLM's); GET /v1/models lists them all, any other name gets a 404")
     p.set_defaults(run=run)
+
+
+def served_names(flags: list[str]) -> tuple[str, ...]:
+    """The names of --served-model-name flags, each a name or a comma-separated list; empty names are refused."""
+    names = tuple(name.strip() for flag in flags for name in flag.split(","))
+    if any(not name for name in names):
+        raise ValueError(f"--served-model-name takes names, separated by commas; got {flags!r}")
+    return names
 
 
 def build_server(args):
     """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
     settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
                              args.prompt_cache)
+    names = served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
     model, tokenizer, drafter = common.load_pair(args)
     app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
-              common.generation_kwargs(args), settings)
+              common.generation_kwargs(args), settings, names)
     try:
         return app, make_server(app)
     except BaseException:
@@ -639,7 +665,8 @@ def run(args) -> int:
     app, server = build_server(args)
     host, port = server.server_address[:2]
     mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
-    print(f"[dflash2] serving {app.model_id} ({mode}) on http://{host}:{port}", file=sys.stderr, flush=True)
+    also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
+    print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     finally:

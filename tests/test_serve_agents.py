@@ -1,5 +1,5 @@
 """`dflash2 serve` for agents and under load, over real HTTP on 127.0.0.1 with the official `openai` client: the
-cycle costs measured before serving (never inside a request), the served model names, tool calls.
+cycle costs measured before serving (never inside a request), the served model names.
 
 The servers run in this process (`test_serve.running`): a tiny real target and DFlash 2 drafter loaded from
 folders, a real tokenizer."""
@@ -88,3 +88,33 @@ def test_health_reports_the_mode_without_costs_for_dflash(tiny_pair, tiny_dflash
         assert status == 200 and health["status"] == "ok" and health["verify_mode"] == "dflash"
         assert client(port).chat.completions.create(model="default_model", messages=GOOD, max_tokens=3).choices
     assert measurements == []
+
+
+# -- served model names ----------------------------------------------------------------------------------------
+
+
+def test_the_model_answers_to_its_id_and_its_served_names(tiny_pair, tiny_dflash2):
+    flags = ["--model-id", "tiny", "--served-model-name", "alias-a,alias-b", "--served-model-name", "alias-c"]
+    with running(tiny_pair[0], tiny_dflash2, *flags) as (app, port):
+        api = client(port)
+        names = ["tiny", "alias-a", "alias-b", "alias-c"]
+        assert [m.id for m in api.models.list()] == names
+        for name in [*names, "default_model"]:
+            reply = api.chat.completions.create(model=name, messages=GOOD, max_tokens=2)
+            assert reply.model == (name if name != "default_model" else "tiny")
+        chunks = list(api.chat.completions.create(model="alias-b", messages=GOOD, max_tokens=2, stream=True))
+        assert {c.model for c in chunks} == {"alias-b"}
+        assert api.completions.create(model="alias-c", prompt="w1 w2", max_tokens=2).model == "alias-c"
+        with pytest.raises(openai.NotFoundError) as caught:
+            api.chat.completions.create(model="gpt-4o", messages=GOOD, max_tokens=2)
+        assert caught.value.code == "model_not_found"
+        assert "'gpt-4o' does not exist here: this server serves 'tiny', 'alias-a', 'alias-b', 'alias-c'" in \
+            str(caught.value)
+        assert request(port, "GET", "/health")[2]["served_model_names"] == names
+
+
+def test_served_model_names_refuse_empty_names():
+    assert serve.served_names(["a, b", "c"]) == ("a", "b", "c")
+    with pytest.raises(ValueError, match="--served-model-name takes names, separated by commas"):
+        serve.served_names(["a,,b"])
+
