@@ -29,14 +29,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import mlx.core as mx
+from mlx_lm.generate import TextStateMachine
 from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.server import ToolCallFormatter
 
 from dflash2_apps import common
 from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
-from dflash2_mlx.generate import GenerationResponse, encode_text, summarize
+from dflash2_mlx.generate import GenerationResponse, encode_text, resolve_block_size, summarize
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
+from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
 log = logging.getLogger("dflash2.serve")
 
@@ -192,6 +198,47 @@ class StopText:
         return held
 
 
+class ToolCalls:
+    """Splits tool calls off the generated text the way mlx_lm.server does for the same tokenizer: text between
+    its wrapper's `tool_call_start` and `tool_call_end` markers (matched on text by mlx-lm's TextStateMachine) is
+    one call, parsed by the wrapper's `tool_parser` with the request's tools and formatted by mlx-lm's
+    ToolCallFormatter (id, type "function", function name and JSON arguments string; an index when streaming);
+    the rest is content. A call that does not parse (cut short by max_tokens) is dropped with mlx-lm's warning."""
+
+    def __init__(self, tokenizer, tools: list, streaming: bool):
+        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        machine = TextStateMachine({"normal": [(start, "tool")], "tool": [(end, "normal")] if end else []})
+        self.state, self.previous, self.tool_text, self.made = machine.make_state("normal"), "normal", "", False
+        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
+
+    def _take(self, segments) -> tuple[str, list[dict]]:
+        content, calls = "", []
+        for state, text in segments:
+            if state == "tool":
+                self.tool_text += text
+            else:
+                if self.previous == "tool":  # a call's end marker was met
+                    calls.append(self.tool_text)
+                    self.tool_text, self.made = "", True
+                content += text
+            self.previous = state
+        return content, self.format(calls)
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content that can be sent, the calls completed by `text`)."""
+        self.state, segments = TextStateMachine.split(self.state, text)
+        return self._take(segments)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """What the generation's end leaves: held-back text, and a call whose end marker never came."""
+        self.state, held, state = TextStateMachine.flush(self.state)
+        content, calls = self._take([(state, held)])
+        if self.previous == "tool" and self.tool_text:
+            calls += self.format([self.tool_text])
+            self.tool_text, self.made = "", True
+        return content, calls
+
+
 # -- request validation -------------------------------------------------------------------------------------
 
 
@@ -228,6 +275,76 @@ def _message_text(i: int, message) -> tuple[str, str]:
     return role, content
 
 
+def _request_tools(body: dict, tokenizer) -> list | None:
+    """The request's `tools`, for the chat template and the tool parser; None when it has none, or says
+    tool_choice "none" (the template then renders no tools and the answer's text stays content)."""
+    tools = _field(body, "tools", list, None, expect="a list of {'type': 'function', 'function': ...} objects")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise ApiError(400, f"'tool_choice' must be \"auto\" or \"none\", got {json.dumps(choice)}: this server "
+                       "cannot force a tool call", param="tool_choice")
+    if not tools or choice == "none":
+        return None
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        named = isinstance(function, dict) and isinstance(function.get("name"), str)
+        if not named or tool.get("type") != "function":
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                           "...}}", param="tools")
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise ApiError(400, "this model's chat template does not support tools (mlx-lm knows no tool-call format "
+                       "for it): leave 'tools' unset, or serve a model whose template takes them", param="tools")
+    return tools
+
+
+def _chat_message(i: int, message) -> dict:
+    """A request message as chat templates take it: role and text content, and an assistant's `tool_calls` (their
+    JSON arguments decoded, as mlx_lm.server does), a tool result's `tool_call_id` and `name` when given."""
+    role, content = _message_text(i, message)
+    out = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+        out["tool_calls"] = [_template_tool_call(i, call) for call in calls]
+    out.update({key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)})
+    return out
+
+
+def _template_tool_call(i: int, call) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"messages[{i}].tool_calls entries must be {{'type': 'function', 'function': "
+                       "{'name': ..., 'arguments': ...}}", param="messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"messages[{i}]: the arguments of the call to {function['name']!r} are not valid "
+                           f"JSON ({e})", param="messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def warm_start(model, drafter, defaults: dict) -> dict:
+    """`stream_generate`'s keyword arguments that spare every request the measurement of this machine's cycle
+    costs: adaptive mode's cost model, or ddtree's tree budget when --tree-budget is unset, loaded from the cache
+    or measured now, before the server accepts a request. Requests never measure: a stale verdict during serving
+    drops the cached copy (logged; the next start measures anew) while this curve stays in use, adaptive mode
+    rescaling it online within each request by the cycles and plain steps it times."""
+    mode = defaults.get("verify_mode")
+    if drafter is None or mode not in ("adaptive", "ddtree"):
+        return {}
+    target = bind_drafter(drafter, model)
+    block = resolve_block_size(drafter, defaults.get("block_size"), mode)
+    if mode == "adaptive":
+        return {"costs": load_or_measure_costs(target, drafter, block)}
+    if defaults.get("tree_budget") is None:
+        return {"tree_budget": default_budget(load_or_measure_costs(target, drafter, block, TREE_BUDGET_MAX + 1),
+                                              block)}
+    return {}
+
+
 @dataclass
 class Request:
     kind: str  # "chat" or "text"
@@ -236,14 +353,25 @@ class Request:
     stream: bool
     include_usage: bool
     stop: list[str]
+    model: str = ""  # the served name the request used, echoed in the answer
+    tools: list | None = None  # chat requests with tools: the answer's tool calls are parsed out of its text
 
 
 class App:
     """What the HTTP handlers share: the worker, the model's name and context, and the default settings."""
 
-    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings):
-        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset."""
-        self.tokenizer, self.model_id, self.defaults, self.settings = tokenizer, model_id, defaults, settings
+    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings,
+                 served_names: tuple[str, ...] = ()):
+        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset; `served_names`:
+        the names (beside `model_id`) clients may use in 'model' (--served-model-name). The cycle costs
+        adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`), before
+        the worker starts."""
+        self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
+        self.model_names = list(dict.fromkeys([model_id, *served_names]))
+        tic = time.perf_counter()
+        self.defaults = {**defaults, **warm_start(model, drafter, defaults)}
+        if self.defaults.keys() != defaults.keys():
+            log.info("cycle costs ready in %.1f s (loaded or measured once, at startup)", time.perf_counter() - tic)
         self.request_timeout = settings.request_timeout
         self.vocab_size = Target(model).vocab_size
         model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -257,10 +385,7 @@ class App:
     def parse(self, kind: str, body) -> Request:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        model = _field(body, "model", str, expect="a string")
-        if model not in (None, self.model_id, "default_model"):
-            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {self.model_id!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
+        model = self.served_name(_field(body, "model", str, expect="a string"))
         stream = _field(body, "stream", bool, False, expect="true or false")
         options = _field(body, "stream_options", dict, {}, expect="an object")
         include_usage = _field(options, "include_usage", bool, False, expect="true or false")
@@ -288,7 +413,8 @@ class App:
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-        prompt = self._prompt(kind, body)
+        tools = _request_tools(body, self.tokenizer) if kind == "chat" else None
+        prompt = self._prompt(kind, body, tools)
         n, context = len(prompt), self.context_length
         if context is not None and n >= context:
             raise ApiError(400, f"the prompt is {n} tokens, and this model's context is {context} tokens: "
@@ -301,7 +427,7 @@ class App:
         if limit is None:
             limit = kwargs["max_tokens"] if context is None else min(kwargs["max_tokens"], context - n)
         kwargs["max_tokens"] = limit
-        return Request(kind, prompt, kwargs, stream, include_usage, stop)
+        return Request(kind, prompt, kwargs, stream, include_usage, stop, model, tools)
 
     def _processors(self, body: dict) -> list:
         """mlx-lm's logits processors from the request's `repetition_penalty`, `repetition_context_size` and
@@ -318,18 +444,29 @@ class App:
             bias = {i: float(v) for i, v in zip(ids, bias.values())}
         return make_logits_processors(logit_bias=bias, repetition_penalty=penalty, repetition_context_size=size)
 
-    def _prompt(self, kind: str, body: dict):
+    def served_name(self, model: str | None) -> str:
+        """The name a request's 'model' picks, echoed in its answer: one of the served names (the model's id, the
+        --served-model-name ones), or the id when unset or mlx_lm.server's "default_model"; others get a 404."""
+        if model is None or model == "default_model":
+            return self.model_id
+        if model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {served} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        return model
+
+    def _prompt(self, kind: str, body: dict, tools: list | None = None):
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list):
                 raise ApiError(400, "'messages' must be a list of {'role', 'content'} objects", param="messages")
             if not messages:
                 raise ApiError(400, "'messages' is empty: send at least one message", param="messages")
-            messages = [dict(zip(("role", "content"), _message_text(i, m))) for i, m in enumerate(messages)]
+            messages = [_chat_message(i, m) for i, m in enumerate(messages)]
             if not self.tokenizer.has_chat_template:
                 raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
             except Exception as e:  # the template's own checks (role order, ...) speak for themselves
                 raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
             return list(ids)
@@ -404,14 +541,24 @@ class Handler(BaseHTTPRequestHandler):
         app = self.app
         if self.path.rstrip("/") == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
-                {"id": app.model_id, "object": "model", "created": app.created, "owned_by": "dflash2"}]})
+                {"id": name, "object": "model", "created": app.created, "owned_by": "dflash2"}
+                for name in app.model_names]})
         elif self.path == "/health":
-            alive = app.worker.thread.is_alive()
-            self._send_json(200 if alive else 503, {
-                "status": "ok" if alive else "unavailable", "queued": app.worker.jobs.qsize(),
-                "running": app.worker.running is not None})
+            self._send_health()
         else:
             self._send_error(ApiError(404, f"no route GET {self.path}", code="not_found"))
+
+    def _send_health(self) -> None:
+        """The server's state: up (its worker alive), what it serves, requests waiting and running, memory."""
+        app = self.app
+        alive = app.worker.thread.is_alive()
+        self._send_json(200 if alive else 503, {
+            "status": "ok" if alive else "unavailable", "model": app.model_id,
+            "served_model_names": app.model_names,
+            "verify_mode": app.defaults.get("verify_mode"), "queued": app.worker.jobs.qsize(),
+            "running": app.worker.running is not None,
+            "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
+                       "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
 
     def do_POST(self):
         kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path.rstrip("/"))
@@ -453,17 +600,34 @@ class Handler(BaseHTTPRequestHandler):
         kind = "text_completion"
         if request.kind == "chat":
             kind = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.app.model_id}
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": request.model or self.app.model_id}
 
-    def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False) -> dict:
+    def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False,
+                calls: list | None = None) -> dict:
         if request.kind == "text":
             return {"index": 0, "text": text or "", "finish_reason": finish}
         if chunk:
             delta = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             return {"index": 0, "delta": delta, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        if request.tools is not None:  # as mlx_lm.server: no text is null content, calls under tool_calls
+            message["content"] = text or None
+            if calls:
+                message["tool_calls"] = calls
+        return {"index": 0, "message": message, "finish_reason": finish}
+
+    @staticmethod
+    def _tool_calls(request: Request, streaming: bool, tokenizer) -> ToolCalls | None:
+        return ToolCalls(tokenizer, request.tools, streaming) if request.tools is not None else None
+
+    @staticmethod
+    def _finish(finish: str | None, tools: ToolCalls | None) -> str | None:
+        """finish_reason "tool_calls" for a generation that stopped (EOS or a stop string) after a call."""
+        return "tool_calls" if finish == "stop" and tools is not None and tools.made else finish
 
     def _run(self, request: Request, job: Job, on_text):
         """Relay the job's text to `on_text` (cut at stop strings); returns (finish reason, records, cached)."""
@@ -512,11 +676,24 @@ class Handler(BaseHTTPRequestHandler):
         return usage, stats
 
     def _complete(self, request: Request, job: Job) -> None:
-        parts = []
-        finish, records, cached = self._run(request, job, parts.append)
+        parts, calls = [], []
+        tools = self._tool_calls(request, False, self.app.tokenizer)
+
+        def on_text(text: str) -> None:
+            if tools is not None:
+                text, done = tools.feed(text)
+                calls.extend(done)
+            parts.append(text)
+
+        finish, records, cached = self._run(request, job, on_text)
+        if tools is not None:
+            text, done = tools.finish()
+            parts.append(text)
+            calls.extend(done)
         usage, stats = self._usage_and_stats(records, cached)
+        choice = self._choice(request, "".join(parts), self._finish(finish, tools), False, calls=calls)
         body = {**self._base(request, f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4()}", False),
-                "choices": [self._choice(request, "".join(parts), finish, False)], "usage": usage, "dflash": stats}
+                "choices": [choice], "usage": usage, "dflash": stats}
         headers = {"X-DFlash-Verify-Mode": stats.get("verify_mode"), "X-DFlash-Cycles": stats.get("cycles"),
                    "X-DFlash-Tau": "" if stats.get("tau") is None else f"{stats['tau']:.3f}"}
         self._send_json(200, body, headers)
@@ -537,10 +714,15 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         first = [True]
+        tools = self._tool_calls(request, True, self.app.tokenizer)
 
         def on_text(text: str) -> None:
-            if text or first[0]:
-                send({**self._base(request, rid, True), "choices": [self._choice(request, text, None, True, first[0])]})
+            calls = []
+            if tools is not None:
+                text, calls = tools.feed(text)
+            if text or calls or first[0]:
+                send({**self._base(request, rid, True),
+                      "choices": [self._choice(request, text, None, True, first[0], calls)]})
                 first[0] = False
 
         try:
@@ -552,7 +734,9 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             return
         usage, stats = self._usage_and_stats(records, cached)
-        send({**self._base(request, rid, True), "choices": [self._choice(request, None, finish, True, first[0])],
+        text, calls = tools.finish() if tools is not None else (None, [])
+        send({**self._base(request, rid, True),
+              "choices": [self._choice(request, text, self._finish(finish, tools), True, first[0], calls)],
               "dflash": stats})
         if request.include_usage:
             send({**self._base(request, rid, True), "choices": [], "usage": usage, "dflash": stats})
@@ -598,16 +782,28 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
                    help="reuse the previous request's caches for the prefix a request shares with it")
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
+                   "as vLLM's); GET /v1/models lists them all, any other name gets a 404")
     p.set_defaults(run=run)
+
+
+def served_names(flags: list[str]) -> tuple[str, ...]:
+    """The names of --served-model-name flags, each a name or a comma-separated list; empty names are refused."""
+    names = tuple(name.strip() for flag in flags for name in flag.split(","))
+    if any(not name for name in names):
+        raise ValueError(f"--served-model-name takes names, separated by commas; got {flags!r}")
+    return names
 
 
 def build_server(args):
     """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
     settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
                              args.prompt_cache)
+    names = served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
     model, tokenizer, drafter = common.load_pair(args)
     app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
-              common.generation_kwargs(args), settings)
+              common.generation_kwargs(args), settings, names)
     try:
         return app, make_server(app)
     except BaseException:
@@ -619,7 +815,8 @@ def run(args) -> int:
     app, server = build_server(args)
     host, port = server.server_address[:2]
     mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
-    print(f"[dflash2] serving {app.model_id} ({mode}) on http://{host}:{port}", file=sys.stderr, flush=True)
+    also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
+    print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     finally:

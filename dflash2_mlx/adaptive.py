@@ -181,12 +181,13 @@ def load_or_measure_costs(target, drafter, block_max: int, verify_max: int | Non
 
 
 def forget_costs(target, drafter, block_max: int) -> None:
-    """Drop the cached costs of this target, drafter and machine: the next generation measures them again."""
+    """Drop the cached costs of this target, drafter and machine: the next `load_or_measure_costs` (the next
+    generation, or a server's next start) measures them again."""
     key, path = cost_key(target, drafter, block_max), _cache_file()
     known = _read_costs(path)
     if known.pop(key, None) is not None:
-        logger.info("the cached cycle costs of %s no longer match this machine; they will be measured again",
-                    target.model_type)
+        logger.info("the cached cycle costs of %s no longer match this machine; they will be measured again "
+                    "where they are next loaded", target.model_type)
         _write_costs(path, known)
 
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlocks, FixedBlocks, forget_costs, load_or_measure_costs
+from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks, forget_costs, load_or_measure_costs
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
@@ -105,12 +105,15 @@ def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify
     return block_size
 
 
-def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str):
-    """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive), starting
-    from the drafter card's held-out acceptance by position."""
+def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str,
+                 costs: CostModel | None = None):
+    """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive: `costs`, else
+    this machine's cached one, measured now if missing), starting from the drafter card's held-out acceptance
+    by position."""
     if verify_mode == "dflash":
         return FixedBlocks(block_size)
-    costs = load_or_measure_costs(target, drafter, block_size)
+    if costs is None:
+        costs = load_or_measure_costs(target, drafter, block_size)
     return AdaptiveBlocks(costs, block_size, prior=drafter.acceptance_prior)
 
 
@@ -135,6 +138,7 @@ def stream_generate(
     eos_token_ids: Sequence[int] | None = None,
     prompt_cache: PromptCache | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
+    costs: CostModel | None = None,
 ) -> Iterator[GenerationResponse]:
     """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
     same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
@@ -159,6 +163,10 @@ def stream_generate(
     whole prompt and the tokens generated before the row) to every row a token is chosen from, in every verify
     mode: inside a verify pass each row sees the drafts before it, so the output is still exactly what plain
     decoding with the same processors gives (`sampling.Processing`).
+    costs: adaptive mode's cost model (`adaptive.CostModel`, covering blocks up to the block size); None: this
+    machine's cached one, measured in this call when missing (a few dozen forwards before the first token).
+    A server loads or measures it once at startup and passes it, so no request pays for it; a stale verdict
+    (timings 2x off the curve) then drops only the cached copy, and the curve passed stays the caller's.
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
@@ -202,7 +210,8 @@ def stream_generate(
                            prompt_cache, logits_processors)
     elif verify_mode != "off":
         drafter.check_walk(walk)
-        blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode)
+        blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode,
+                              costs)
         steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache,
                              logits_processors)
     else:
@@ -251,7 +260,8 @@ def stream_generate(
     finally:
         steps.close()  # leaves the target as it was (feature taps removed)
         if verify_mode == "adaptive" and blocks.stale():
-            forget_costs(target, drafter, blocks.block_max)  # measured again by the next generation
+            # measured again by the next generation that is not given a curve (a server's: at its next start)
+            forget_costs(target, drafter, blocks.block_max)
 
 
 def generate(
