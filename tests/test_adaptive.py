@@ -141,10 +141,18 @@ def test_a_losing_drafter_gets_plain_runs_each_after_a_shadow_probe_and_comes_ba
         assert policy.next_block(None) == 1
         runs.append(policy.plain_run(None))
         policy.observe_shadow([0.0] * 7, [0.0] * 7)
-    assert runs == [8] * 6  # no stretch longer than one run without a decision
+    # a decision after every run; once a run follows a run with drafting clearly behind, runs double, up to
+    # twice the block
+    assert runs == [8, 8, 16, 16, 16, 16]
     policy.observe_shadow([1.0] * 7, [1.0] * 7)  # the drafter accepts again: one probe says so
     policy.observe_shadow([1.0] * 7, [1.0] * 7)
     assert policy.next_block(None) > 1
+    # a close call keeps the runs short: acceptance where drafting is just behind plain steps
+    close = AdaptiveBlocks(COSTS, 8, timing_steps=0, prior=[0.3] * 7, prior_weight=100.0)
+    rates = close.rates(8)
+    assert 0.8 * rates[1] < max(rates[b] for b in range(2, 9)) < rates[1]
+    assert close.next_block(None) == 1 and close.plain_run(None) == 8
+    assert close.next_block(None) == 1 and close.plain_run(None) == 8
 
 
 def test_slow_cycles_observed_online_turn_drafting_off():
