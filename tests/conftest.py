@@ -239,6 +239,17 @@ WORDS = [f"w{i}" for i in range(240)]
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<mask>"]
 
 
+def first_tokens(steps, n: int) -> tuple[int, ...]:
+    """The first n tokens a decode loop (`decode.*_steps`, which never stops on its own) commits; it is closed."""
+    tokens = []
+    for step in steps:
+        tokens += step.tokens
+        if len(tokens) >= n:
+            break
+    steps.close()
+    return tuple(tokens[:n])
+
+
 def save_tokenizer(folder: Path, vocab: int = 256) -> None:
     """A word-level tokenizer with a chat template, saved as Hugging Face does (tokenizer.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -13,7 +13,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from conftest import drafter_config, make_drafter, make_hybrid, make_oracle, make_target
+from conftest import drafter_config, first_tokens, make_drafter, make_hybrid, make_oracle, make_target
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
@@ -234,13 +234,7 @@ def sampled(model, drafter, mode: str, seed: int, n: int) -> Counter:
         else:
             blocks = FixedBlocks(3) if mode == "dflash" else adaptive_blocks()
             steps = dflash_steps(target, drafter, prompt, PARAMS, blocks, max_tokens=3, logits_processors=procs)
-        tokens = []
-        for step in steps:
-            tokens += step.tokens
-            if len(tokens) >= 3:
-                break
-        steps.close()
-        counts[tuple(tokens[:3])] += 1
+        counts[first_tokens(steps, 3)] += 1
     return counts
 
 

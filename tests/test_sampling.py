@@ -12,7 +12,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_target
+from conftest import first_tokens, make_dflash2_drafter, make_drafter, make_target
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 import dflash2_mlx.sampling as sampling
@@ -108,13 +108,7 @@ def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int,
             steps = plain_steps(target, prompt, params)
         else:
             steps = dflash_steps(target, drafter, prompt, params, blocks(), max_tokens=3)
-        tokens = []
-        for step in steps:
-            tokens += step.tokens
-            if len(tokens) >= 3:
-                break
-        steps.close()
-        counts[tuple(tokens[:3])] += 1
+        counts[first_tokens(steps, 3)] += 1
     return counts
 
 
