@@ -59,7 +59,10 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     calibration = report["shadow_calibration"]
     assert {(c["drafter"], c["block_size"]) for c in calibration} == {(d, B) for d in ("drafter", "drafter#2")
                                                                        for B in (4, 8)}
-    assert all(c["temperature"] == 1 and c["probes"] > 0 and c["expected_tau"] >= 1 for c in calibration)
+    # a block of B commits 1..B tokens, expected and measured alike; the relative error is their ratio's
+    assert all(c["temperature"] == 1 and c["probes"] > 0 and 1 <= c["expected_tau"] <= c["block_size"]
+               and 1 <= c["measured_tau"] <= c["block_size"]
+               and c["relative"] == pytest.approx(c["expected_tau"] / c["measured_tau"] - 1) for c in calibration)
 
 
 def test_classic_speculative_baseline(tiny_pair, tmp_path):
