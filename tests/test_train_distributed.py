@@ -205,10 +205,12 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, folder):
 def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_before(tmp_path, folder):
     """Rank 1 killed before step 4: rank 0 ends at once with an error naming what it waited for and the checkpoint
     (step 2) it can continue from; the same command continues from there, and its weights after 6 steps are one
-    process's. Rank 1 writes nothing (its --out stays absent): it takes rank 0's checkpoint over the wire."""
+    process's (with a draft vocabulary and distillation). Rank 1 writes nothing (its --out stays absent): it
+    takes rank 0's checkpoint over the wire."""
     run, elsewhere = tmp_path / "run", tmp_path / "rank1-out"
     driver = _driver(tmp_path)
-    extra = ["--steps", "6", "--checkpoint-every", "2"]
+    # a draft vocabulary (labels outside it weigh nothing) and distillation (the target's top-k, cached per rank)
+    extra = ["--steps", "6", "--checkpoint-every", "2", "--draft-vocab", "40", "--distill", "0.5"]
 
     def args_of(rank):
         return [str(driver), *_cli(folder, run if rank == 0 else elsewhere, *extra)[2:]]
@@ -232,6 +234,8 @@ def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_befo
     worst = max(_relative_differences(mx.load(str(run / "checkpoint" / "drafter.safetensors")),
                                       dict(tree_flatten(one.drafter.parameters()))).values())
     assert worst < 1e-5
+    # the losses too (Adam and clipping are blind to a gradient scaled by the same factor on every rank)
+    np.testing.assert_allclose([e["loss"] for e in state["log"]], [e["loss"] for e in one.log], rtol=1e-5)
 
 
 def test_a_rank_that_stops_answering_ends_the_other_within_its_timeout(tmp_path, folder):
@@ -259,3 +263,17 @@ def test_a_world_size_that_does_not_split_the_batch_is_refused_before_any_work(t
         assert "joining" not in out  # refused before the ranks even met
     assert not (tmp_path / "run").exists() and {p.name for p in (folder / "data").iterdir()} == before
     assert len(read_shards(folder / "data")) == 24
+
+
+def test_a_rank_whose_peers_never_answer_ends_after_its_timeout(tmp_path, folder):
+    """Rank 0 started alone (its peer never joins): it ends after --peer-timeout seconds instead of waiting."""
+    hostfile = tmp_path / "hosts.json"
+    first = _free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
+    done = subprocess.run([sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                          env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)))
+    assert done.returncode == 1, done.stderr
+    assert "if one does not answer within 3 s, this process ends" in done.stderr
+    assert "Timeout (0:00:03)" in done.stderr and " in join" in done.stderr
+    assert not (tmp_path / "run").exists()

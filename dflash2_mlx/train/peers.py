@@ -57,7 +57,9 @@ def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> Peers:
     if not mx.distributed.is_available():
         raise ValueError("this MLX build has no distributed backend; install mlx with one (the ring backend is in "
                          "every macOS and Linux build) or run `dflash2 train` without mlx.launch")
-    logger.info("joining the other ranks (up to %.0f s: one that does not answer ends this process)", timeout)
+    logger.info("joining the other ranks: if one does not answer within %.0f s, this process ends (\"Timeout\", "
+                "then where it waited); check that every rank was started and that their addresses are reachable",
+                timeout)
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         group = mx.distributed.init(strict=True, backend=backend)

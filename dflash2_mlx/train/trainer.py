@@ -358,8 +358,8 @@ class Trainer:
 
     def train_step(self) -> float:
         batch = make_batch(self.train_samples, self.step, self.settings, self.drafter.config.mask_token_id)
-        if self.peers:
-            denominator = loss_weight(batch.labels, self.weights)  # the whole batch's, over every rank's share
+        if self.peers:  # the whole batch's loss weight, over every rank's share
+            denominator = loss_weight(self._loss_labels(batch.labels), self.weights)
             batch = share(batch, self.peers.rank, self.peers.size)
         if self.settings.distill and "train" not in self.caches:
             features, *teacher = self.target.teacher(batch.tokens, TEACHER_TOP_K)
@@ -368,7 +368,7 @@ class Trainer:
         else:
             context = self.context(batch, "train")
             soft = self.soft_targets(batch, "train") if self.settings.distill else NO_SOFT
-        labels = mx.where(batch.labels >= 0, self.vocab_index[mx.maximum(batch.labels, 0)], -1)
+        labels = self._loss_labels(batch.labels)
         if self.peers:
             loss, grads = self._gradients(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch),
                                           *soft, denominator)
@@ -384,6 +384,10 @@ class Trainer:
         mx.eval(loss, self.drafter.state, self.optimizer.state, self.average)
         self.step += 1
         return loss.item()
+
+    def _loss_labels(self, labels: mx.array) -> mx.array:
+        """Token labels as indices into the loss's vocabulary (-1: past a sequence's end, or a token outside it)."""
+        return mx.where(labels >= 0, self.vocab_index[mx.maximum(labels, 0)], -1)
 
     def _update_average(self) -> None:
         """average <- d * average + (1 - d) * weights, with d = min(ema, (1 + n) / (10 + n)) after n averaged
