@@ -240,15 +240,26 @@ def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_befo
 
 def test_a_rank_that_stops_answering_ends_the_other_within_its_timeout(tmp_path, folder):
     """Rank 1 hangs (SIGSTOP: its connections stay open) before step 4: rank 0's watchdog ends it after
-    --peer-timeout seconds with an error naming what it waited for and the checkpoint to continue from."""
+    --peer-timeout seconds with an error naming what it waited for and the checkpoint to continue from.
+    Rank 1 has a data folder of its own (another disk, another path): it computes its shard's features, then
+    the other ranks' ones, and its folder's cache is whole."""
+    own = tmp_path / "own-data"
+    shutil.copytree(folder / "data", own, ignore=shutil.ignore_patterns("features-*"))
     driver = _driver(tmp_path)
     extra = ["--steps", "6", "--checkpoint-every", "2", "--peer-timeout", "8"]
-    args_of = lambda rank: [str(driver), *_cli(folder, tmp_path / f"run{rank}", *extra)[2:]]  # noqa: E731
-    (rc0, out0, seconds), _ = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"),
-                                     wait_for=0)
+
+    def args_of(rank):
+        return [str(driver), *_cli(folder, tmp_path / f"run{rank}", *extra, data=own if rank else None)[2:]]
+
+    (rc0, out0, seconds), (_, out1, _) = _ranks(tmp_path, folder, args_of,
+                                                dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"), wait_for=0)
     assert rc0 == WATCHDOG_EXIT, out0
     assert "no answer from the other ranks for 8 s during step 4's gradient sum" in out0, out0
     assert "(step 2)" in out0 and seconds < RUN_TIMEOUT
+    assert "rank 1 of 2" in out1 and "rank 1: the features of 7 train samples (its shards: shard-00001)" in out1
+    assert "rank 1: the features of 14 train samples (the other ranks' shards: shard-00000, shard-00002)" in out1
+    marks = [json.loads(p.read_text()) for p in own.glob("features-*/shard-*.json")]
+    assert len(marks) == 3 and sum(len(m["done"]) for m in marks) == 24
 
 
 def test_a_world_size_that_does_not_split_the_batch_is_refused_before_any_work(tmp_path, folder):
@@ -276,4 +287,14 @@ def test_a_rank_whose_peers_never_answer_ends_after_its_timeout(tmp_path, folder
     assert done.returncode == 1, done.stderr
     assert "if one does not answer within 3 s, this process ends" in done.stderr
     assert "Timeout (0:00:03)" in done.stderr and " in join" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_ranks_given_different_settings_are_refused(tmp_path, folder):
+    """Ranks whose gradients would not add up to one process's (here: another --seed on rank 1) all stop with
+    one clear error before computing anything."""
+    results = _ranks(tmp_path, folder, lambda rank: _cli(folder, tmp_path / "run", "--seed", str(rank)))
+    for rc, out, _ in results:
+        assert rc == 2 and "the ranks were given different settings, targets or data" in out, out
+    assert "rank 1 of 2" in results[1][1] and "the features of" not in results[0][1] + results[1][1]
     assert not (tmp_path / "run").exists()

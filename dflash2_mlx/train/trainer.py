@@ -103,9 +103,9 @@ class Trainer:
         self.out = Path(out)
         self._read_data(settings)
         self.settings, config = settle(settings, model)
+        self._make_drafter(model, config)
         if self.peers:
             self._check_same_run()
-        self._make_drafter(model, config)
         self._make_optimizer()
         self.step = 0
         self.log: list[dict] = []
@@ -230,14 +230,17 @@ class Trainer:
                     break
 
     def _check_same_run(self) -> None:
-        """Every rank must train with the same settings on the same data: else their gradients would not add
-        up to one process's."""
-        h = hashlib.sha256(json.dumps(asdict(self.settings), sort_keys=True, default=str).encode())
+        """Every rank must train with the same settings, target and data (wherever its folder is): else their
+        gradients would not add up to one process's."""
+        settings = {k: v for k, v in asdict(self.settings).items() if k != "data"}
+        h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        h.update(self.target.fingerprint().encode())
         for samples in (self.train_samples, self.heldout):
             h.update(np.array([len(samples), sum(int(s.tokens.sum()) for s in samples)], np.int64).tobytes())
         if not self.peers.same(np.frombuffer(h.digest(), np.uint8), "the check of the ranks' settings and data"):
-            raise ValueError(f"rank {self.peers.rank}: the ranks were given different settings or data (or another "
-                             "version of dflash2); launch the same command, with the same data folder, on every rank")
+            raise ValueError(f"rank {self.peers.rank}: the ranks were given different settings, targets or data (or "
+                             "another version of dflash2); launch the same command, with the same target and data "
+                             "folder, on every rank")
 
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
