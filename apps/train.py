@@ -1,4 +1,5 @@
-"""`dflash2 train`: a DFlash v1 or DFlash 2 drafter trained for a target on `dflash2 data` output."""
+"""`dflash2 train`: a DFlash v1 or DFlash 2 drafter trained for a target on `dflash2 data` output; data parallel
+over several processes or Macs when started by `mlx.launch` (`mlx.launch -n 2 python -m dflash2_apps.cli train ...`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import sys
 from dataclasses import fields
 
 from dflash2_mlx.loading import load_target
+from dflash2_mlx.train import peers as ranks
 from dflash2_mlx.train.export import write_card
-from dflash2_mlx.train.settings import TrainSettings
+from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
 
 
@@ -37,6 +39,8 @@ TRAIN_FLAGS = {
               "what is evaluated and exported, the raw weights' tau is logged beside it; 0 = off"),
     "--time-budget": ("time_budget", float, "minutes of wall time for this run: it stops there with a checkpoint, "
                       "and rerunning the command continues"),
+    "--peer-timeout": ("peer_timeout", float, "under mlx.launch: seconds a rank waits for the others (to join, then at "
+                       "each step) before it stops with an error"),
 }
 
 
@@ -47,7 +51,9 @@ def add_parser(sub) -> None:
         help="train a DFlash v1 or DFlash 2 drafter for a target on `dflash2 data` output",
         description="Train a drafter (resumable: rerun the same command to continue from the last checkpoint). "
         "Writes OUT/checkpoint and OUT/curve.csv (the held-out learning curve), then OUT/drafter (a folder "
-        "`--draft-model` and `dflash2 export` take) with its card. Runs unchanged on MLX's CUDA backend.",
+        "`--draft-model` and `dflash2 export` take) with its card. Runs unchanged on MLX's CUDA backend. Under "
+        "`mlx.launch` (e.g. `mlx.launch --hostfile hosts.json python -m dflash2_apps.cli train ...`) the ranks "
+        "share each step's sequences (the same steps as one process) and rank 0 writes OUT.",
     )
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="a `dflash2 data` folder")
@@ -69,9 +75,16 @@ def run(args) -> int:
     settings = TrainSettings(data=args.data, selector_factorized=not args.full_selector,
                              cache_features=not args.no_feature_cache, init_from_target=args.init_from_target,
                              **given)
+    peers = None
+    if ranks.launched():
+        check_world_size(settings, ranks.world_size())  # before any work
+        peers = ranks.join(settings.peer_timeout)
+        check_world_size(settings, peers.size)
     model, _ = load_target(args.model)
-    trainer = Trainer(model, args.out, settings)
+    trainer = Trainer(model, args.out, settings, peers)
     result = trainer.run()
+    if not trainer.writes:
+        return 0
     folder = trainer.export(f"{args.out}/drafter")
     write_card(folder, trainer, args.model or "SmolLM2-135M-Instruct")
     tau = next((e["tau"] for e in reversed(trainer.log) if "tau" in e), None)

@@ -52,6 +52,19 @@ def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_i
                  TrainingBlocks(mx.array(anchors)), [int(i) for i in picked])
 
 
+def share(batch: Batch, rank: int, size: int) -> Batch:
+    """Rank `rank`'s share of a step's batch over `size` data-parallel ranks: sequences rank, rank + size, ...
+    with their blocks (padded to the whole batch's length, as one process pads them)."""
+    S, A = batch.where.anchors.shape
+    if S % size:
+        raise ValueError(f"a batch of {S} sequences does not split over {size} ranks")
+    seqs = np.arange(rank, S, size)
+    rows = (seqs[:, None] * A + np.arange(A)).reshape(-1)
+    seqs, rows = mx.array(seqs), mx.array(rows)
+    return Batch(batch.tokens[seqs], batch.blocks[rows], batch.labels[rows], TrainingBlocks(batch.where.anchors[seqs]),
+                 [batch.picked[i] for i in range(rank, S, size)])
+
+
 def training_vocabulary(samples: list[Sample]) -> np.ndarray:
     """Every token id the training samples contain (prompts and responses), sorted."""
     return np.unique(np.concatenate([s.tokens for s in samples])).astype(np.int32)

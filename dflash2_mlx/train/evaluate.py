@@ -40,21 +40,28 @@ def acceptance_by_position(accepted: Sequence[int], block_size: int) -> tuple[fl
 
 
 def evaluate(drafter: DFlashDraftModel, samples: list[Sample], indices: Sequence[int], settings: TrainSettings,
-             context: Callable[[Batch], mx.array]) -> Evaluation:
+             context: Callable[[Batch], mx.array], peers=None) -> Evaluation:
     """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position,
     over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
-    context rows of a batch (whose `picked` are indices into `samples`)."""
+    context rows of a batch (whose `picked` are indices into `samples`). With `peers` (the ranks of a
+    data-parallel run, each holding the same drafter) each rank drafts one in N of the chunks and the ranks
+    sum their counts: every rank gets the numbers of the whole evaluation."""
     if not indices:
         return Evaluation(float("nan"), float("nan"), ())
-    accepted, first = [], []
-    for start in range(0, len(indices), EVAL_SEQUENCES):
+    B = settings.block_size
+    counts = np.zeros(B + 1, np.int64)  # blocks with 0..B-1 accepted drafts, then blocks with draft 1 right
+    starts = range(0, len(indices), EVAL_SEQUENCES)
+    for start in starts[peers.rank :: peers.size] if peers else starts:
         chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
         batch = make_batch(chunk, EVAL_STEP, settings, drafter.config.mask_token_id, sequences=len(chunk))
         batch.picked = [indices[start + i] for i in batch.picked]  # indices into `samples`
         hidden = drafter.hidden(batch.blocks, context(batch), None, batch.where)[:, 1:]
         drafts = drafter.greedy_drafts(hidden, drafter.draft_logits(hidden), batch.blocks[:, 0])
         drafts, labels = np.array(drafts), np.array(batch.labels)
-        accepted += list(accepted_drafts(drafts, labels))
-        first += list((drafts[:, 0] == labels[:, 0]) & (labels[:, 0] >= 0))
-    return Evaluation(float(np.mean(accepted) + 1), float(np.mean(first)),
-                      acceptance_by_position(accepted, settings.block_size))
+        counts[:B] += np.bincount(accepted_drafts(drafts, labels), minlength=B)
+        counts[B] += int(np.sum((drafts[:, 0] == labels[:, 0]) & (labels[:, 0] >= 0)))
+    if peers:
+        counts = np.array(peers.sum(mx.array(counts.astype(np.int32)), "the evaluation"), np.int64)
+    blocks = int(counts[:B].sum())
+    accepted = np.repeat(np.arange(B), counts[:B])
+    return Evaluation(float(np.mean(accepted) + 1), float(counts[B] / blocks), acceptance_by_position(accepted, B))

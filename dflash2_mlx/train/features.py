@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -76,7 +77,7 @@ class FeatureCache:
     shard) and, with `teacher`, its top-k next tokens at every row (`teacher_rows`)."""
 
     def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096,
-                 teacher: bool = False):
+                 teacher: bool = False, fill: bool = True):
         if any(not s.shard for s in samples):
             raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
         self.samples, self.teacher = samples, teacher
@@ -87,15 +88,22 @@ class FeatureCache:
         for s in samples:
             rows[s.shard] = max(rows[s.shard], s.start + len(s.tokens))
         self.shards = {shard: _ShardFiles(self.folder, shard, n, self.width) for shard, n in sorted(rows.items())}
-        self._fill(target, max_batch_tokens)
+        if fill:  # else the caller runs `filling` (data-parallel ranks take turns with their peers)
+            for _ in self.filling(target, max_batch_tokens):
+                pass
 
-    def _fill(self, target: Target, max_batch_tokens: int) -> None:
-        """Compute what is missing, shortest samples first, in batches of similar length."""
-        def missing(s: Sample) -> bool:
+    def missing(self) -> list[Sample]:
+        """The samples whose features (and top-k, for a teacher cache) are not computed yet."""
+        def lacks(s: Sample) -> bool:
             files = self.shards[s.shard]
             return s.start not in files.done or (self.teacher and s.start not in files.teacher_done)
 
-        todo = sorted(filter(missing, self.samples), key=lambda s: len(s.tokens))
+        return list(filter(lacks, self.samples))
+
+    def filling(self, target: Target, max_batch_tokens: int = 4096) -> Iterator[None]:
+        """Compute what is missing, shortest samples first, in batches of similar length; yields after each
+        batch (written and marked done)."""
+        todo = sorted(self.missing(), key=lambda s: len(s.tokens))
         if not todo:
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -125,6 +133,7 @@ class FeatureCache:
                 for shard, starts in by_shard.items():
                     self.shards[shard].mark_done(starts, self.teacher)
                 bar.update(task, advance=len(batch))
+                yield
 
     def context(self, picked, length: int) -> mx.array:
         """Features of samples `picked`, right-padded with zeros to `length` rows: [S, length, k*D]."""

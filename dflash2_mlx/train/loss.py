@@ -37,14 +37,22 @@ def gold_predecessors(batch: Batch) -> mx.array:
     return mx.concatenate([batch.blocks[:, :1], mx.maximum(batch.labels[:, :-1], 0)], axis=1)
 
 
+def loss_weight(labels: mx.array, weights: mx.array) -> mx.array:
+    """The sum of the draft rows' loss weights (rows past a sequence's end weigh 0), at least 1: what the
+    weighted loss is divided by."""
+    return mx.maximum(mx.sum(weights[None, :] * (labels >= 0)), 1)
+
+
 def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows,
-            soft: Soft):
+            soft: Soft, denominator: mx.array | None = None):
     """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
     vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
     data set uses costs a fraction of one over the full vocabulary, and a token the data never shows
     gets no positive signal either way. `labels` are indices into `vocab`. With `soft.weight` w > 0 the
     draft loss is (1 - w) * the hard labels' cross-entropy + w * the cross-entropy to the target's own
-    top-k distribution (forward KL up to a constant)."""
+    top-k distribution (forward KL up to a constant). `denominator`: what the weighted sums are divided by
+    (default `loss_weight` of these labels); a data-parallel rank gives the whole batch's over the ranks'
+    count, so that the ranks' averaged gradients are those of one process on the whole batch."""
     hidden = drafter.hidden(blocks, context, None, where)[:, 1:]
     logits = drafter.logits(hidden, head_rows).astype(mx.float32)  # [N, B-1, n]
     valid = labels >= 0
@@ -55,7 +63,8 @@ def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, 
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         soft_ce = -mx.sum(soft.probs * mx.take_along_axis(logp, mx.maximum(soft.index, 0), axis=-1), axis=-1)
         ce = (1 - soft.weight) * ce + soft.weight * soft_ce
-    loss = mx.sum(ce * w) / mx.maximum(mx.sum(w), 1)
+    denominator = mx.maximum(mx.sum(w), 1) if denominator is None else denominator
+    loss = mx.sum(ce * w) / denominator
     if not drafter.config.is_dflash2:
         return loss
     sel = drafter.candidate_selector
@@ -70,4 +79,4 @@ def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, 
     scores = unary + mx.sum((pred.astype(mx.float32) * h)[..., None, :] * succ.astype(mx.float32), axis=-1)
     target_index = mx.argmax(cand == gold[..., None], axis=-1)
     sel_ce = nn.losses.cross_entropy(scores, target_index, reduction="none")
-    return loss + mx.sum(sel_ce * w) / mx.maximum(mx.sum(w), 1)
+    return loss + mx.sum(sel_ce * w) / denominator

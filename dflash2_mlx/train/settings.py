@@ -9,7 +9,7 @@ from ..loading import resolve_path
 from ..target import Target
 
 # settings a resumed run may change: none changes the training path
-RESUMABLE = ("steps", "eval_every", "checkpoint_every", "time_budget", "ema")
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "time_budget", "ema", "peer_timeout")
 
 
 @dataclass
@@ -46,6 +46,8 @@ class TrainSettings:
     # exported (the raw weights' tau is logged beside it); 0: off. Switching it on in a resumed run starts the
     # average at that run's weights. On the full-data runs the average read +0.036 (DFlash 2, 11 of 11
     # evaluations) and +0.015 (v1, 11 of 13) held-out tau over the raw weights (runs/smollm2/recipes/README.md)
+    peer_timeout: float = 300.0  # data-parallel runs (mlx.launch): seconds a rank waits for the others before it
+    # stops with an error (a rank that died or hangs), and a fresh start waits for them to join
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -66,6 +68,18 @@ class TrainSettings:
         recorded = {k: v for k, v in {**defaults, **recorded}.items() if k not in RESUMABLE}
         current = {k: v for k, v in asdict(self).items() if k not in RESUMABLE}
         return {k: (recorded.get(k), v) for k, v in current.items() if recorded.get(k) != v}
+
+
+def check_world_size(settings: TrainSettings, size: int | None) -> None:
+    """Each of `size` data-parallel ranks takes every size-th sequence of a step's batch: the batch must split
+    evenly (the ranks then do the same work in the same shapes at every step; none waits for another, none is
+    left without a sequence)."""
+    n = settings.sequences_per_step
+    if size and size > 1 and n % size:
+        down, up = n // size * size, -(-n // size) * size
+        fixes = " or ".join(f"--sequences-per-step {k}" for k in (down, up) if k)
+        raise ValueError(f"--sequences-per-step {n} does not split over {size} ranks (each takes one in {size} of "
+                         f"a step's sequences): give {fixes}, or launch a number of ranks that divides {n}")
 
 
 def settle(settings: TrainSettings, model) -> tuple[TrainSettings, DraftConfig]:

@@ -6,10 +6,18 @@ features once for the whole sequences, and drafts from many random anchors in th
 warmup + cosine, clipping, a compiled step. The batch of step t depends only on (seed, t), so a resumed run
 is bit-identical. By default an exponential moving average of the weights (`ema`) is what gets evaluated
 (`evaluate`) and exported (`export`). A run stops at its steps, its time budget or Ctrl-C, with a checkpoint.
+
+Data parallel (`peers`: the ranks `mlx.launch` started): every rank makes the same batch of step t, takes one
+in N of its sequences (`batches.share`) and divides its weighted loss by the whole batch's weight; the ranks
+sum their gradients and losses, so every rank applies the gradient one process would have on the whole batch.
+Rank 0's weights and optimizer state are given to the others at the start (and on resume: only rank 0 reads
+and writes checkpoints, curves and exports). Each rank computes the feature cache of one in N of the data's
+shards; the ranks then take turns (heartbeats) until every shard is done.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -34,16 +42,18 @@ from ..formats.config import DraftConfig
 from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
 from ..target import Target
-from .batches import Batch, loss_vocabulary, make_batch
+from .batches import Batch, loss_vocabulary, make_batch, share
 from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
-from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn
-from .settings import TrainSettings, settle
+from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
+from .peers import Peers
+from .settings import TrainSettings, check_world_size, settle
 
 logger = logging.getLogger(__name__)
 
 AVERAGE_FILE = "average.safetensors"
+HEARTBEAT = 10.0  # seconds of feature-cache work between the ranks' check-ins (data parallel)
 
 
 def layers_from_target(drafter: DFlashDraftModel, target: Target) -> None:
@@ -80,11 +90,22 @@ def _identity_selector(drafter: DFlashDraftModel) -> None:
 
 
 class Trainer:
-    def __init__(self, model, out: str | Path, settings: TrainSettings):
+    def __init__(self, model, out: str | Path, settings: TrainSettings, peers: Peers | None = None):
+        """`peers`: the ranks of a data-parallel run (`peers.join()` under `mlx.launch`), this process one of
+        them; only rank 0 writes to `out`."""
+        self.peers = peers if peers is not None and peers.size > 1 else None
+        self.writes = self.peers is None or self.peers.main
+        if self.peers:
+            check_world_size(settings, self.peers.size)
+            r, n = self.peers.rank, self.peers.size
+            logger.info("data parallel: rank %d of %d, sequences %d, %d, ... of each step's %d%s", r, n, r + 1, r + n + 1,
+                        settings.sequences_per_step, " (writes the checkpoints, curve and drafter)" if r == 0 else "")
         self.out = Path(out)
         self._read_data(settings)
         self.settings, config = settle(settings, model)
         self._make_drafter(model, config)
+        if self.peers:
+            self._check_same_run()
         self._make_optimizer()
         self.step = 0
         self.log: list[dict] = []
@@ -152,6 +173,20 @@ class Trainer:
             return loss, norm
 
         self._train_step = train_step
+        if self.peers:  # the ranks' gradients are summed between the two halves of the step
+            @partial(mx.compile, inputs=[self.drafter.state], outputs=[self.drafter.state])  # (value_and_grad sets it)
+            def gradients(blocks, context, anchors, labels, prev_gold, soft_idx, soft_p, denominator):
+                return value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors), labels, self.weights,
+                                      prev_gold, self.vocab, self.head_rows, Soft(soft_idx, soft_p, settings.distill),
+                                      denominator)
+
+            @partial(mx.compile, inputs=state, outputs=state)
+            def apply(grads):
+                grads, norm = optim.clip_grad_norm(grads, settings.grad_clip)
+                self.optimizer.update(self.drafter, grads)
+                return norm
+
+            self._gradients, self._apply = gradients, apply
 
     def _make_features(self) -> None:
         """The feature caches (`cache_features`: the target's features computed once, kept in the data
@@ -159,10 +194,53 @@ class Trainer:
         settings = self.settings
         self.caches = {}
         if settings.cache_features:
-            self.caches = {"train": FeatureCache(settings.data, self.train_samples, self.target,
-                                                 teacher=bool(settings.distill)),
-                           "heldout": FeatureCache(settings.data, self.heldout, self.target)}
+            splits = {"train": (self.train_samples, bool(settings.distill)), "heldout": (self.heldout, False)}
+            if self.peers:
+                self._fill_together(splits)
+            self.caches = {name: FeatureCache(settings.data, samples, self.target, teacher=teacher)
+                           for name, (samples, teacher) in splits.items()}
         self.feature_scale = mx.array(self._feature_scale())
+
+    def _fill_together(self, splits: dict) -> None:
+        """The feature cache of a data-parallel run: each rank computes the features of one in N of the data's
+        shards (rank r: shards r, r + N, ...), then whatever its data folder still lacks (the other ranks'
+        shards, where the folder is not on a disk they share). The ranks check in every `HEARTBEAT` seconds of
+        work, so a lost rank is noticed then, and they all leave together."""
+        peers, data = self.peers, self.settings.data
+        shards = sorted({s.shard for samples, _ in splits.values() for s in samples})
+        mine = set(shards[peers.rank :: peers.size])
+
+        def work(part: str, keep):
+            for name, (samples, teacher) in splits.items():  # one after the other: they share the shards' marks
+                cache = FeatureCache(data, [s for s in samples if keep(s)], self.target, teacher=teacher, fill=False)
+                todo = cache.missing()
+                if todo:
+                    logger.info("rank %d: the features of %d %s samples (%s: %s)", peers.rank, len(todo), name, part,
+                                ", ".join(sorted({s.shard for s in todo})))
+                yield from cache.filling(self.target)
+
+        for part, keep in (("its shards", lambda s: s.shard in mine), ("the other ranks' shards", lambda s: True)):
+            steps = work(part, keep)
+            busy = True
+            while True:
+                until = time.monotonic() + min(HEARTBEAT, peers.timeout / 4)
+                while busy and time.monotonic() < until:
+                    busy = next(steps, StopIteration) is not StopIteration
+                if not peers.any(busy, f"the feature cache ({part})"):
+                    break
+
+    def _check_same_run(self) -> None:
+        """Every rank must train with the same settings, target and data (wherever its folder is): else their
+        gradients would not add up to one process's."""
+        settings = {k: v for k, v in asdict(self.settings).items() if k != "data"}
+        h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        h.update(self.target.fingerprint().encode())
+        for samples in (self.train_samples, self.heldout):
+            h.update(np.array([len(samples), sum(int(s.tokens.sum()) for s in samples)], np.int64).tobytes())
+        if not self.peers.same(np.frombuffer(h.digest(), np.uint8), "the check of the ranks' settings and data"):
+            raise ValueError(f"rank {self.peers.rank}: the ranks were given different settings, targets or data (or "
+                             "another version of dflash2); launch the same command, with the same target and data "
+                             "folder, on every rank")
 
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
@@ -215,6 +293,32 @@ class Trainer:
             shutil.rmtree(self.checkpoint)
         tmp.rename(self.checkpoint)
 
+    def _set_optimizer_state(self, items) -> None:
+        """In place: the compiled step holds this very tree as one of its inputs."""
+        for name, value in items:
+            *path, last = name.split(".")
+            node = self.optimizer.state
+            for part in path:
+                node = node[int(part)] if isinstance(node, list) else node[part]
+            node[int(last) if isinstance(node, list) else last] = value
+
+    def _share_state(self) -> None:
+        """Every rank takes rank 0's weights, optimizer state, moving average, step and feature scale (read from
+        its checkpoint, or its fresh ones): the other ranks need no checkpoint of their own, and any difference
+        the ranks' own initialisation or feature cache would make is gone."""
+        peers = self.peers
+        what = "the handover of rank 0's weights"
+        head = np.array([self.step, self.averaged_steps, self.average is not None], np.int64)
+        step, averaged_steps, has_average = (int(v) for v in peers.from_main(mx.array(head.astype(np.int32)), what))
+        self.step, self.averaged_steps = step, averaged_steps
+        self.drafter.load_weights(list(peers.from_main(dict(tree_flatten(self.drafter.parameters())), what).items()))
+        self._set_optimizer_state(tree_flatten(peers.from_main(self.optimizer.state, what)))
+        if has_average:
+            mine = self.average or {k: mx.zeros_like(v) for k, v in tree_flatten(self.drafter.parameters())}
+            self.average = peers.from_main(mine, what)
+        self.feature_scale = peers.from_main(self.feature_scale, what)
+        mx.eval(self.drafter.parameters(), self.optimizer.state, self.average, self.feature_scale)
+
     def resume(self) -> bool:
         if not (self.checkpoint / "state.json").exists():
             return False
@@ -225,13 +329,7 @@ class Trainer:
                              + ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
                              + "); use the same settings to continue it, or another --out")
         self.drafter.load_weights(list(mx.load(str(self.checkpoint / "drafter.safetensors")).items()))
-        # in place: the compiled step holds this very tree as one of its inputs
-        for name, value in mx.load(str(self.checkpoint / "optimizer.safetensors")).items():
-            *path, last = name.split(".")
-            node = self.optimizer.state
-            for part in path:
-                node = node[int(part)] if isinstance(node, list) else node[part]
-            node[int(last) if isinstance(node, list) else last] = value
+        self._set_optimizer_state(mx.load(str(self.checkpoint / "optimizer.safetensors")).items())
         self.step, self.log = state["step"], state["log"]
         if self.settings.ema and (self.checkpoint / AVERAGE_FILE).exists():
             self.average, self.averaged_steps = mx.load(str(self.checkpoint / AVERAGE_FILE)), state["averaged_steps"]
@@ -263,6 +361,9 @@ class Trainer:
 
     def train_step(self) -> float:
         batch = make_batch(self.train_samples, self.step, self.settings, self.drafter.config.mask_token_id)
+        if self.peers:  # the whole batch's loss weight, over every rank's share
+            denominator = loss_weight(self._loss_labels(batch.labels), self.weights)
+            batch = share(batch, self.peers.rank, self.peers.size)
         if self.settings.distill and "train" not in self.caches:
             features, *teacher = self.target.teacher(batch.tokens, TEACHER_TOP_K)
             context = features.astype(mx.float32) * self.feature_scale
@@ -270,13 +371,26 @@ class Trainer:
         else:
             context = self.context(batch, "train")
             soft = self.soft_targets(batch, "train") if self.settings.distill else NO_SOFT
-        labels = mx.where(batch.labels >= 0, self.vocab_index[mx.maximum(batch.labels, 0)], -1)
-        loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch), *soft)
+        labels = self._loss_labels(batch.labels)
+        if self.peers:
+            loss, grads = self._gradients(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch),
+                                          *soft, denominator)
+            mx.eval(loss, grads)  # this rank's part, before it waits on the others'
+            summed = self.peers.sum({"grads": grads, "loss": loss}, f"step {self.step + 1}'s gradient sum")
+            loss = summed["loss"]
+            self._apply(summed["grads"])
+        else:
+            loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch),
+                                       *soft)
         if self.settings.ema:
             self._update_average()
         mx.eval(loss, self.drafter.state, self.optimizer.state, self.average)
         self.step += 1
         return loss.item()
+
+    def _loss_labels(self, labels: mx.array) -> mx.array:
+        """Token labels as indices into the loss's vocabulary (-1: past a sequence's end, or a token outside it)."""
+        return mx.where(labels >= 0, self.vocab_index[mx.maximum(labels, 0)], -1)
 
     def _update_average(self) -> None:
         """average <- d * average + (1 - d) * weights, with d = min(ema, (1 + n) / (10 + n)) after n averaged
@@ -307,7 +421,8 @@ class Trainer:
         training samples the drafter has learned from."""
         samples, indices = ((self.heldout, range(len(self.heldout))) if split == "heldout"
                             else (self.train_samples, self.train_probe))
-        return evaluate(self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split))
+        return evaluate(self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split),
+                        self.peers)
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
         """Train (from the last checkpoint, if any) to `settings.steps`, or stop early with a checkpoint: at
@@ -315,20 +430,26 @@ class Trainer:
         A longer --steps on resume stretches the cosine schedule's tail."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        resumed = self.resume()
+        resumed = self.resume() if self.writes else False
+        if self.peers:
+            resumed = self.peers.any(resumed, "the start")
+            self._share_state()
+            self._note_checkpoint(resumed)
         s = self.settings
         stop = min(until or s.steps, s.steps)
         tic = time.perf_counter()
         budget = None if s.time_budget is None else tic + 60 * s.time_budget
         with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("loss {task.fields[loss]:.3f}  tau {task.fields[tau]}"), TimeRemainingColumn(),
-                      disable=not progress) as bar, interrupt_requested() as interrupted:
+                      disable=not progress or not self.writes) as bar, interrupt_requested() as interrupted:
             task = bar.add_task("train", total=s.steps, completed=self.step, loss=float("nan"),
                                 tau=self.log[-1].get("tau", "-") if self.log else "-")
             while self.step < stop:
                 loss = self.train_step()
                 entry = {"step": self.step, "loss": loss, "seconds": time.perf_counter() - tic}
                 stopping = interrupted.is_set() or (budget is not None and time.perf_counter() > budget)
+                if self.peers:  # every rank stops at the same step
+                    stopping = self.peers.any(stopping, "the ranks' agreement to go on")
                 last = stopping or self.step == stop
                 # every run ends on an evaluation, so the card's tau is that of the weights it describes
                 if self.step % s.eval_every == 0 or last:
@@ -340,14 +461,23 @@ class Trainer:
                         seen_tau = self.evaluate("train").tau
                     entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4),
                                  by_position=list(by_position))
-                    write_curve(self.out / CURVE_FILE, self.log + [entry])
+                    if self.writes:
+                        write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
                 bar.update(task, completed=self.step, loss=loss, tau=entry.get("tau", bar.tasks[0].fields["tau"]))
                 if self.step % s.checkpoint_every == 0 or last:
-                    self.save_checkpoint()
+                    if self.writes:
+                        self.save_checkpoint()
+                    if self.peers:
+                        self._note_checkpoint(True)
                 if stopping:
                     break
         return {"resumed": resumed, "step": self.step, "log": self.log}
+
+    def _note_checkpoint(self, saved: bool) -> None:
+        """What a lost rank's error says about going on (`Peers.note`)."""
+        self.peers.note = (f"rerun the same command to continue from rank 0's {self.checkpoint} (step {self.step})"
+                           if saved else "no checkpoint yet: rerunning the same command starts over")
 
     def export(self, folder: str | Path) -> Path:
         """The trained drafter (its moving average, if any) as a drafter folder (Hugging Face layout) that

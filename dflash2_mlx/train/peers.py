@@ -1,0 +1,162 @@
+"""The processes of a data-parallel training run (MLX distributed, started by `mlx.launch`), and what keeps a lost
+one from hanging the others.
+
+A rank that dies ends the others with a clear error: on the ring backend its process's end closes its sockets,
+and the next collective raises "connection to a peer was lost", which `Peers` turns into `PeerLost`. A rank that
+stops answering without closing them (a hung process, a machine gone, a cable pulled) would leave the others
+waiting forever; a watchdog thread ends this process when a collective has waited `timeout` seconds for the
+others. The collective's `mx.eval` lets the watchdog run; `mx.distributed.init` does not (it holds the
+interpreter), so joining is bounded by `faulthandler`'s timer instead.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+logger = logging.getLogger(__name__)
+
+LAUNCHED = "MLX_RANK"  # set by `mlx.launch` (and by hand: MLX_RANK with MLX_HOSTFILE) in every process it starts
+DEFAULT_TIMEOUT = 300.0  # seconds a collective waits for the other ranks before this process gives up
+WATCHDOG_EXIT = 3  # the exit status of a process the watchdog ended
+
+
+class PeerLost(RuntimeError):
+    """Another rank of the run died or stopped answering."""
+
+
+def launched() -> bool:
+    """Whether this process was started as one rank of several (`mlx.launch`)."""
+    return LAUNCHED in os.environ
+
+
+def world_size() -> int | None:
+    """The number of ranks `mlx.launch` started, read from its environment before joining them (the ring
+    backend's MLX_HOSTFILE lists one entry a rank); None where it does not say."""
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        return len(json.loads(Path(path).read_text())) if path else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> Peers:
+    """The group of this run's processes (`mx.distributed.init(strict=True)`), or an error naming the problem.
+    A rank that never answers ends this process after `timeout` seconds (with a traceback of where it waited)."""
+    if not mx.distributed.is_available():
+        raise ValueError("this MLX build has no distributed backend; install mlx with one (the ring backend is in "
+                         "every macOS and Linux build) or run `dflash2 train` without mlx.launch")
+    logger.info("joining the other ranks: if one does not answer within %.0f s, this process ends (\"Timeout\", "
+                "then where it waited); check that every rank was started and that their addresses are reachable",
+                timeout)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as e:
+        raise ValueError(f"could not join the other ranks ({e}); start every rank with `mlx.launch`, e.g. "
+                         "`mlx.launch -n 2 python -m dflash2_apps.cli train ...` on one Mac or "
+                         "`mlx.launch --hostfile hosts.json ...` across Macs") from e
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return Peers(group, timeout)
+
+
+class Peers:
+    """The ranks of one run: their collectives, each evaluated at once under the watchdog, and rank 0 (`main`),
+    the one that writes. `note`: what the error of a lost rank adds (where the run can be continued from)."""
+
+    def __init__(self, group, timeout: float = DEFAULT_TIMEOUT):
+        self.group, self.timeout = group, timeout
+        self.rank, self.size = group.rank(), group.size()
+        self.main = self.rank == 0
+        self.note = ""
+        self._lock = threading.Lock()
+        self._waiting: tuple[float, str] | None = None  # (deadline, what) of the collective being waited on
+        threading.Thread(target=self._watch, name="dflash2-peer-watchdog", daemon=True).start()
+
+    def __repr__(self) -> str:
+        return f"Peers(rank {self.rank} of {self.size})"
+
+    # -- the watchdog -----------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 10))
+            with self._lock:
+                waiting = self._waiting
+            if waiting is not None and time.monotonic() > waiting[0]:
+                logger.critical("rank %d of %d: %s", self.rank, self.size, self._lost_text(
+                    waiting[1], f"no answer from the other ranks for {self.timeout:.0f} s"))
+                for handler in logging.getLogger().handlers + logger.handlers:
+                    handler.flush()
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT)
+
+    def _lost_text(self, what: str, why: str) -> str:
+        return (f"{why} during {what}: a rank died or hangs, and this one stops" + (f"; {self.note}" if self.note
+                                                                                    else ""))
+
+    @contextmanager
+    def waiting(self, what: str):
+        """Evaluations inside the block wait on the other ranks: the watchdog ends this process if the block
+        lasts `timeout` seconds, and a lost connection becomes `PeerLost`."""
+        with self._lock:
+            self._waiting = (time.monotonic() + self.timeout, what)
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, PeerLost):
+                raise
+            raise PeerLost(f"rank {self.rank} of {self.size}: " + self._lost_text(what, f"lost the other ranks ({e})")
+                           ) from e
+        finally:
+            with self._lock:
+                self._waiting = None
+
+    # -- collectives --------------------------------------------------------------------------------------
+    def sum(self, x, what: str):
+        """all_sum of an array or a tree of arrays (one message per dtype), evaluated."""
+        flat = tree_flatten(x) if not isinstance(x, mx.array) else [("", x)]
+        out = dict()
+        for dtype in dict.fromkeys(v.dtype for _, v in flat):  # in order of appearance: the same on every rank
+            names = [k for k, v in flat if v.dtype == dtype]
+            parts = [v for _, v in flat if v.dtype == dtype]
+            whole = mx.concatenate([p.reshape(-1) for p in parts])
+            whole = mx.distributed.all_sum(whole, group=self.group)
+            with self.waiting(what):
+                mx.eval(whole)
+            offsets = np.cumsum([0] + [p.size for p in parts])
+            for k, p, a, b in zip(names, parts, offsets[:-1], offsets[1:]):
+                out[k] = whole[int(a) : int(b)].reshape(p.shape)
+        if isinstance(x, mx.array):
+            return out[""]
+        leaves = iter(out[k] for k, _ in flat)
+        return tree_map(lambda _: next(leaves), x)  # the same structure (tree_map walks it as tree_flatten does)
+
+    def any(self, flag: bool, what: str) -> bool:
+        """Whether any rank's `flag` is set."""
+        return bool(self.sum(mx.array([int(flag)], mx.int32), what).item())
+
+    def barrier(self, what: str) -> None:
+        self.sum(mx.zeros((1,), mx.int32), what)
+
+    def from_main(self, x, what: str):
+        """Rank 0's array or tree (the others' are replaced): a sum to which the others add zeros, exact."""
+        return self.sum(x if self.main else tree_map(mx.zeros_like, x), what)
+
+    def same(self, values, what: str) -> bool:
+        """Whether every rank holds the same small non-negative ints `values` (e.g. the bytes of a fingerprint of
+        its settings and data); every rank gets the same answer."""
+        values = mx.array(np.asarray(values, np.int32))
+        differs = bool(mx.any(self.sum(values, what) != self.size * values).item())
+        return not self.any(differs, what)
