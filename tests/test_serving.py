@@ -15,7 +15,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_target, synthetic_checkpoint
+from conftest import FIXTURES, make_target, synthetic_checkpoint
 
 from dflash2_apps.cli import main
 from dflash2_mlx import load_drafter
@@ -102,11 +102,20 @@ def test_bundled_drafter_exports_the_engines_layout(exported, engine, kind):
     tensors = header(out / "model.safetensors")
     assert {n: tuple(t["shape"]) for n, t in tensors.items()} == want_shapes(cfg)
     assert {t["dtype"] for t in tensors.values()} == {"BF16"}
-    assert not [n for n in tensors if n.startswith("model.") or "embed_tokens" in n or "lm_head" in n]
-    if kind == "dflash2":  # the selector's tables over the whole vocabulary, named as the engines name them
-        assert tuple(tensors["candidate_selector.predecessor_codebook"]["shape"]) == (SMOLLM2_VOCAB, 64)
-        assert tuple(tensors["layers.1.mlp_conv.kernel_projection.weight"]["shape"]) == (144, 576)
     assert serving.check_folder(engine, out) == []
+
+
+def test_the_expected_layout_is_the_published_checkpoints():
+    """The names and shapes expected above (and the package's own spec) are those of a published DFlash 2
+    checkpoint (its safetensors header: 5 layers, selector tables over its 202048-token vocabulary, no
+    embedding or LM head); and its v1 part without conv and selector."""
+    cfg = json.loads((FIXTURES / "dflash2-config.json").read_text())
+    published = {n: tuple(t["shape"]) for n, t in
+                 json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text()).items()}
+    assert want_shapes(cfg) == published == serving.expected_tensors(cfg)
+    v1 = {**cfg, "dflash_config": {k: cfg["dflash_config"][k] for k in V1_FIELDS}}
+    v1_names = {n: s for n, s in published.items() if "_conv." not in n and "candidate_selector" not in n}
+    assert want_shapes(v1) == v1_names == serving.expected_tensors(v1)
 
 
 def test_both_engines_get_the_same_weights(exported):
