@@ -162,6 +162,7 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
                 "this DFlash 2 drafter's selector is factorised (rank-R maps of the target's embeddings); the "
                 "engines load V x R tables: pass the target with --model to expand them"
             )
+        notes.append("its factorised selector expanded into vocabulary x rank tables over the target's embeddings")
         for side in ("predecessor", "successor"):
             projection = weights.pop(f"candidate_selector.{side}_projection.weight")
             weights[f"candidate_selector.{side}_codebook.weight"] = _expanded(projection, bound.embed_tokens)
@@ -177,9 +178,13 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
     _fresh_folder(out, source)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     write_weights(out, names, fmt="pt")
-    for extra in ("README.md", "LICENSE"):
-        if (source / extra).is_file():
-            shutil.copy(source / extra, out / extra)
+    if (source / "LICENSE").is_file():
+        shutil.copy(source / "LICENSE", out / "LICENSE")
+    if (source / "README.md").is_file():  # what the card says, and what changed on the way
+        changes = "".join(f"\n- {note}" for note in notes)
+        (out / "README.md").write_text((source / "README.md").read_text().rstrip("\n") + "\n\n## Exported for "
+                                       f"{serving.engine(engine).name}\n\n- by `dflash2 export --for {engine}`: "
+                                       f"bfloat16, the engine's names and config fields{changes}\n")
     problems = serving.check_folder(engine, out)
     if problems:  # a bug here, never the user's input
         raise RuntimeError(f"the {engine} export in {out} breaks the engine's layout: {problems[:4]}")

@@ -97,6 +97,12 @@ def test_bundled_drafter_exports_the_engines_layout(exported, engine, kind):
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     text = json.dumps(cfg)
     assert "selector_factorized" not in text and '"mlx"' not in text and "quantization" not in cfg
+    # the card says what changed on the way
+    readme = (out / "README.md").read_text()
+    assert readme.startswith((default_drafter(kind) / "README.md").read_text().rstrip("\n"))
+    for said in (readme, cfg["dflash2_mlx_note"]):
+        assert "draft vocabulary (3072 tokens) dropped" in said
+        assert ("factorised selector expanded" in said) == (kind == "dflash2")
     # no draft vocabulary, no frequency table, one weights file
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     tensors = header(out / "model.safetensors")
