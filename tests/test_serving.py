@@ -22,6 +22,7 @@ from dflash2_mlx import load_drafter
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.convert import convert, export_for
 from dflash2_mlx.formats import serving
+from dflash2_mlx.formats.quantize import DraftQuant
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.reference import draft_hidden, head_logits, load_checkpoint, read_safetensors, selector_walk
 from dflash2_mlx.sampling import SamplingParams
@@ -220,6 +221,26 @@ def test_published_layout_fixtures_export_unchanged(tmp_path, engine, layout):
     assert all(np.array_equal(back[k], original[k]) for k in original)
     assert {t["dtype"] for t in header(out / "model.safetensors").values()} == {"BF16"}
     assert serving.check_folder(engine, out) == []
+
+
+def test_muse_and_quantized_drafters_export(tmp_path):
+    """A Muse-style v1 drafter is served as a DFlashDraftModel (its `encoder.*` names the plain ones, its block
+    bidirectional as its engines run it); a quantized MLX drafter is written dequantized, and says so."""
+    src = synthetic_checkpoint(tmp_path / "muse", "muse")
+    out = export_for(str(src), tmp_path / "muse-out", "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["is_causal"] is False
+    assert cfg["dflash_config"]["mask_token_id"] == json.loads((src / "config.json").read_text())["mask_token_id"]
+    original, back = read_safetensors(src / "model.safetensors"), read_safetensors(out / "model.safetensors")
+    assert np.array_equal(back["fc.weight"], original["encoder.fc.weight"])
+    assert np.array_equal(back["hidden_norm.weight"], original["encoder.output_norm_enc.weight"])
+    assert serving.check_folder("vllm", out) == []
+    quantized = convert(str(synthetic_checkpoint(tmp_path / "hf", "dflash2")), tmp_path / "q8",
+                        quant=DraftQuant(8, 32, 32), min_quantized_size=0)
+    out = export_for(str(quantized), tmp_path / "q8-out", "sglang")
+    note = json.loads((out / "config.json").read_text())["dflash2_mlx_note"]
+    assert "dequantized from a w8a32:gs32 MLX drafter" in note
+    assert serving.check_folder("sglang", out) == []
 
 
 def test_the_folder_check_finds_each_breach(tmp_path):
