@@ -167,7 +167,8 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
             projection = weights.pop(f"candidate_selector.{side}_projection.weight")
             weights[f"candidate_selector.{side}_codebook.weight"] = _expanded(projection, bound.embed_tokens)
     if config.is_dflash2 and not resolved.logits_known:
-        logger.warning("no target given: the export assumes the target's head has no logit multiplier or softcap")
+        logger.warning("no target given: where the drafter leaves its logit multiplier or softcap to the target, the "
+                       "export assumes the target has none")
     if "quantization" in raw.get("mlx", {}):
         notes.append(f"dequantized from a {raw['mlx']['quantization']} MLX drafter: the weights carry its "
                      "quantization error")
@@ -197,7 +198,7 @@ def _resolve(config, bound) -> serving.Resolved:
     if bound is None:
         return serving.Resolved(config.vocab_size, config.num_target_layers, config.input_embedding_scale,
                                 config.output_multiplier, config.final_logit_softcapping,
-                                logits_known=config.output_multiplier is not None)
+                                logits_known=None not in (config.output_multiplier, config.final_logit_softcapping))
     multiplier = config.output_multiplier if config.output_multiplier is not None else bound.logit_multiplier
     softcap = config.final_logit_softcapping if config.final_logit_softcapping is not None else bound.logit_softcap
     return serving.Resolved(bound.vocab_size, config.num_target_layers or bound.num_layers,
