@@ -11,17 +11,22 @@ format), tensors under this package's module names (quantized ones as weight/sca
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .formats import serving
 from .formats.quantize import MIN_QUANTIZED_SIZE, DraftQuant, quantize_drafter
 from .formats.vocab import COUNTS_FILE, write_draft_vocab
 from .formats.weights import INDEX, hf_names, write_weights
-from .loading import load_drafter, resolve_path
+from .loading import bind_drafter, load_drafter, load_target, resolve_path
+
+logger = logging.getLogger(__name__)
 
 
 def _fresh_folder(path: Path, source: Path) -> None:
@@ -120,3 +125,95 @@ def export(mlx_path: str, hf_path: str | Path, dtype: str = "bfloat16") -> Path:
         if (source / extra).is_file():
             shutil.copy(source / extra, out / extra)
     return out
+
+
+def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> Path:
+    """A drafter folder -> the folder `engine` ("sglang" or "vllm") serves as a DFlash / DFlash 2 drafter
+    (layout: `formats/serving.py`): its architecture names and `dflash_config` fields, bfloat16, the whole
+    vocabulary (a draft vocabulary is dropped: the engine drafts from every token), a factorised selector
+    expanded into the V x R tables the engines load, no embedding or LM head. What the engine would run
+    differently is refused with the reason and the way out.
+
+    `target` (an mlx-lm model or a path / hub id) is what the drafter is bound to: needed to expand a
+    factorised selector, and where the drafter's config leaves its vocabulary, embedding scale or logit
+    settings to the target's."""
+    serving.engine(engine)
+    source = resolve_path(mlx_path)
+    drafter = load_drafter(str(source), dtype="float32")
+    config, raw = drafter.config, json.loads((source / "config.json").read_text())
+    notes = []
+    if drafter.draft_vocab is not None:
+        logger.warning("the drafter's draft vocabulary (%d tokens) is dropped: %s drafts from every token",
+                       len(drafter.draft_vocab), serving.engine(engine).name)
+        notes.append(f"its draft vocabulary ({len(drafter.draft_vocab)} tokens) dropped: drafts come from the "
+                     "whole vocabulary")
+        drafter.draft_vocab = None
+    bound = None
+    if target is not None:
+        if isinstance(target, (str, Path)):
+            target = load_target(str(target), dtype="float32")[0]
+        bound = bind_drafter(drafter, target)  # checks the pair (width, vocabulary, layers)
+    resolved = _resolve(config, bound)
+    serving.check_supported(engine, config, raw, resolved)
+    weights = dequantized(drafter)
+    if config.selector_factorized:
+        if bound is None:
+            raise ValueError(
+                "this DFlash 2 drafter's selector is factorised (rank-R maps of the target's embeddings); the "
+                "engines load V x R tables: pass the target with --model to expand them"
+            )
+        notes.append("its factorised selector expanded into vocabulary x rank tables over the target's embeddings")
+        for side in ("predecessor", "successor"):
+            projection = weights.pop(f"candidate_selector.{side}_projection.weight")
+            weights[f"candidate_selector.{side}_codebook.weight"] = _expanded(projection, bound.embed_tokens)
+    if config.is_dflash2 and not resolved.logits_known:
+        logger.warning("no target given: where the drafter leaves its logit multiplier or softcap to the target, the "
+                       "export assumes the target has none")
+    if "quantization" in raw.get("mlx", {}):
+        notes.append(f"dequantized from a {raw['mlx']['quantization']} MLX drafter: the weights carry its "
+                     "quantization error")
+    weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    names = hf_names(weights, replace(config, architecture=serving.ARCHITECTURES[serving.kind(config)]))
+    cfg = serving.serving_config(engine, config, resolved, note="; ".join(notes) or None)
+    out = Path(hf_path)
+    _fresh_folder(out, source)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_weights(out, names, fmt="pt")
+    if (source / "LICENSE").is_file():
+        shutil.copy(source / "LICENSE", out / "LICENSE")
+    if (source / "README.md").is_file():  # what the card says, and what changed on the way
+        changes = "".join(f"\n- {note}" for note in notes)
+        (out / "README.md").write_text((source / "README.md").read_text().rstrip("\n") + "\n\n## Exported for "
+                                       f"{serving.engine(engine).name}\n\n- by `dflash2 export --for {engine}`: "
+                                       f"bfloat16, the engine's names and config fields{changes}\n")
+    problems = serving.check_folder(engine, out)
+    if problems:  # a bug here, never the user's input
+        raise RuntimeError(f"the {engine} export in {out} breaks the engine's layout: {problems[:4]}")
+    return out
+
+
+def _resolve(config, bound) -> serving.Resolved:
+    """The drafter's vocabulary, embedding scale and logit settings as it runs on its target (the config's
+    own where it sets them, else the target's; without a target, what the config says)."""
+    if bound is None:
+        return serving.Resolved(config.vocab_size, config.num_target_layers, config.input_embedding_scale,
+                                config.output_multiplier, config.final_logit_softcapping,
+                                logits_known=None not in (config.output_multiplier, config.final_logit_softcapping))
+    multiplier = config.output_multiplier if config.output_multiplier is not None else bound.logit_multiplier
+    softcap = config.final_logit_softcapping if config.final_logit_softcapping is not None else bound.logit_softcap
+    return serving.Resolved(bound.vocab_size, config.num_target_layers or bound.num_layers,
+                            config.input_embedding_scale * bound.embed_scale, float(multiplier), softcap or None,
+                            logits_known=True)
+
+
+def _expanded(projection: mx.array, embed, rows: int = 8192) -> mx.array:
+    """A factorised selector's codes of every token, `embed(ids) @ projection.T` [V, R] (float32), the
+    table the engines index by token id. In slices of `rows` tokens (a V x D copy of the embedding is never
+    made)."""
+    vocab = embed.num_embeddings if isinstance(embed, nn.QuantizedEmbedding) else embed.weight.shape[0]
+    parts = []
+    for start in range(0, vocab, rows):
+        ids = mx.arange(start, min(start + rows, vocab))
+        parts.append(embed(ids).astype(mx.float32) @ projection.astype(mx.float32).T)
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)

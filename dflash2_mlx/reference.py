@@ -118,9 +118,9 @@ def _attention(W, p, s, i, x, ctx):
     return out.transpose(1, 0, 2).reshape(L, h * hd) @ W[p + "o_proj.weight"].T
 
 
-def draft_logits(cfg: dict, W: dict, embed: np.ndarray, lm_head: np.ndarray, block, context) -> np.ndarray:
-    """Logits [B-1, V] of the draft rows of `block` (anchor + masks), given the target features of the
-    committed rows `context` [S, k*D] at positions 0..S-1, with the target's `embed` and `lm_head`."""
+def draft_hidden(cfg: dict, W: dict, embed: np.ndarray, block, context) -> np.ndarray:
+    """Normed final hidden rows [B, D] of `block` (anchor + masks), given the target features of the
+    committed rows `context` [S, k*D] at positions 0..S-1, with the target's `embed`."""
     s = _settings(cfg)
     x = embed[np.asarray(block)] * s["embed_scale"]
     ctx = _rms(np.asarray(context, np.float64) @ W["fc.weight"].T, W["hidden_norm.weight"], s["eps"])
@@ -141,8 +141,37 @@ def draft_logits(cfg: dict, W: dict, embed: np.ndarray, lm_head: np.ndarray, blo
                 x = x + _conv(f(_conv(xn, base[0], dyn[:, 0], s["group"])), base[1], dyn[:, 1], s["group"])
             else:
                 x = x + f(xn)
-    h = _rms(x, W["norm.weight"], s["eps"])[1:]
-    logits = h @ lm_head.T * s["multiplier"]
+    return _rms(x, W["norm.weight"], s["eps"])
+
+
+def head_logits(cfg: dict, hidden: np.ndarray, lm_head: np.ndarray) -> np.ndarray:
+    """`lm_head(h) * output_multiplier`, softcapped when the config says so."""
+    s = _settings(cfg)
+    logits = hidden @ lm_head.T * s["multiplier"]
     if s["softcap"]:
         logits = np.tanh(logits / s["softcap"]) * s["softcap"]
     return logits
+
+
+def draft_logits(cfg: dict, W: dict, embed: np.ndarray, lm_head: np.ndarray, block, context) -> np.ndarray:
+    """Logits [B-1, V] of the draft rows of `block` (see `draft_hidden`), with the target's `lm_head`."""
+    return head_logits(cfg, draft_hidden(cfg, W, embed, block, context)[1:], lm_head)
+
+
+def selector_walk(cfg: dict, W: dict, hidden: np.ndarray, logits: np.ndarray, anchor: int):
+    """DFlash 2's reference walk over the draft rows (hidden [T, D] normed, logits [T, V]): candidates = each
+    row's top-k logits (best first, ties to the lower id); from prev = anchor, take the candidate b maximising
+    S_t(prev, b) = logits[t, b] + sum_r A[prev, r] H_t[r] B[b, r] (A / B the predecessor / successor tables,
+    H_t = hidden_projection(h_t)). Returns (tokens [T], candidates [T, k], chosen rows' scores [T, k])."""
+    k = (cfg.get("dflash_config") or {})["selector_top_k"]
+    A = W["candidate_selector.predecessor_codebook"]
+    B = W["candidate_selector.successor_codebook"]
+    H = hidden @ W["candidate_selector.hidden_projection.weight"].T
+    candidates = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    tokens, rows, prev = [], [], int(anchor)
+    for t in range(len(logits)):
+        scores = logits[t, candidates[t]] + (A[prev] * H[t]) @ B[candidates[t]].T
+        prev = int(candidates[t, np.argmax(scores)])
+        tokens.append(prev)
+        rows.append(scores)
+    return np.array(tokens), candidates, np.array(rows)

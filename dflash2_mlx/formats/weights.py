@@ -70,16 +70,17 @@ def hf_names(weights: dict[str, mx.array], config: DraftConfig) -> dict[str, mx.
     return out
 
 
-def write_weights(path: Path, weights: dict[str, mx.array]) -> None:
-    """safetensors files of at most MAX_SHARD_GB each, with an index when there are several."""
+def write_weights(path: Path, weights: dict[str, mx.array], fmt: str = "mlx") -> None:
+    """safetensors files of at most MAX_SHARD_GB each, with an index when there are several. `fmt` is the
+    files' `format` metadata ("pt" for folders PyTorch engines load)."""
     shards = make_shards(weights, MAX_SHARD_GB)
     if len(shards) == 1:
-        mx.save_safetensors(str(path / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        mx.save_safetensors(str(path / "model.safetensors"), shards[0], metadata={"format": fmt})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
+        mx.save_safetensors(str(path / name), shard, metadata={"format": fmt})
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(v.nbytes for v in weights.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
