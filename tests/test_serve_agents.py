@@ -18,7 +18,7 @@ import pytest
 from conftest import SPECIALS, WORDS
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools
-from test_serve import GOOD, TIMEOUT, request, running, user
+from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
 from dflash2_mlx import adaptive
@@ -355,3 +355,180 @@ def test_a_template_without_tools_gets_a_400(tiny_pair, tiny_dflash2):
             client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS)
         assert "this model's chat template does not support tools" in str(caught.value)
         assert caught.value.body["param"] == "tools"
+
+
+# -- prompt-cache slots ----------------------------------------------------------------------------------------
+
+
+def interleaved(port: int, app) -> dict:
+    """Three conversations, turns interleaved (A1 B1 C1, then A2 B2 C2): A by chat, B by streaming chat with usage,
+    C by text completions. The cached tokens and the prompt of each second turn, and whether its text equals
+    plain decoding's from scratch."""
+    api, out = client(port), {}
+    a1, b1, c1 = user("w20 w21 w22 w23 w24"), user("w30 w31 w32 w33"), "w40 w41 w42 w43 w44 w45"
+    ra = api.chat.completions.create(model="default_model", messages=a1, max_tokens=8).choices[0].message.content
+    rb = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="default_model", messages=b1, max_tokens=8, stream=True) if c.choices)
+    rc = api.completions.create(model="default_model", prompt=c1, max_tokens=8).choices[0].text
+    a2 = [*a1, {"role": "assistant", "content": ra}, *user("w25 w26")]
+    reply = api.chat.completions.create(model="default_model", messages=a2, max_tokens=8)
+    out["A"] = (reply.usage.prompt_tokens_details.cached_tokens, chat_ids(app, a1),
+                reply.choices[0].message.content == expected(app, chat_ids(app, a2), 8).text)
+    b2 = [*b1, {"role": "assistant", "content": rb}, *user("w34")]
+    chunks = list(api.chat.completions.create(model="default_model", messages=b2, max_tokens=8, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    out["B"] = (chunks[-1].usage.prompt_tokens_details.cached_tokens, chat_ids(app, b1),
+                text == expected(app, chat_ids(app, b2), 8).text)
+    c2 = f"{c1} {rc} w46 w47"
+    reply = api.completions.create(model="default_model", prompt=c2, max_tokens=8)
+    out["C"] = (reply.usage.prompt_tokens_details.cached_tokens, app.tokenizer.encode(c1),
+                reply.choices[0].text == expected(app, c2, 8).text)
+    return out
+
+
+def test_interleaved_conversations_each_reuse_their_own_prefix(tiny_pair, tiny_dflash2):
+    """Three slots: every second turn takes its whole first turn (prompt and all but perhaps the reply's last
+    token) from the cache, whatever ran in between, and answers as plain decoding from scratch does."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        for name, (cached, first, same) in interleaved(port, app).items():
+            assert same, name
+            assert cached >= len(first), (name, cached, len(first))
+        health = request(port, "GET", "/health")[2]["prompt_cache"]
+        assert health["slots"] == 3 and health["max_slots"] == 10 and health["bytes"] > 0
+
+
+def test_negative_control_one_slot_forgets_the_other_conversations(tiny_pair, tiny_dflash2):
+    """With one slot (mlx_lm.server's --prompt-cache-size 1) each first turn evicts the one before: the second
+    turns of A and B find only C's sequence, which shares at most the chat template's opening with them."""
+    with running(tiny_pair[0], tiny_dflash2, "--prompt-cache-size", 1) as (app, port):
+        got = interleaved(port, app)
+        for name in ("A", "B"):
+            cached, first, same = got[name]
+            assert same and cached < len(first) - 2, (name, cached, len(first))
+        assert request(port, "GET", "/health")[2]["prompt_cache"]["slots"] == 1
+
+
+def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
+    with running(tiny_pair[0], tiny_dflash2, "--prompt-cache-bytes", "1") as (app, port):
+        got = interleaved(port, app)
+        assert all(cached == 0 and same for cached, _, same in got.values()), got
+        info = request(port, "GET", "/health")[2]["prompt_cache"]
+        assert (info["slots"], info["bytes"], info["max_bytes"]) == (0, 0, 1)
+
+
+# -- concurrency: batched decoding ------------------------------------------------------------------------------
+
+
+@contextmanager
+def held_first(monkeypatch):
+    """The first generation holds before its second record (a speculative cycle) until the gate opens; `holding`
+    is set once it waits there."""
+    gate, holding, real = threading.Event(), threading.Event(), serve.stream_generate
+    calls = []
+
+    def held(*args, **kwargs):
+        calls.append(1)
+        first = len(calls) == 1
+        for i, record in enumerate(real(*args, **kwargs)):
+            if i == 1 and first:
+                holding.set()
+                assert gate.wait(TIMEOUT), "the test never opened the gate"
+            yield record
+
+    monkeypatch.setattr(serve, "stream_generate", held)
+    try:
+        yield gate, holding
+    finally:
+        gate.set()
+
+
+PROMPTS = [user(" ".join(f"w{7 * i + j + 3}" for j in range(1 + i % 5))) for i in range(8)]
+
+
+def eight_clients(app, port, monkeypatch, max_tokens=24) -> tuple[list, list, list, dict]:
+    """8 clients with the openai client at once (every other one streaming), T = 0: the first request is held
+    after its first token until the other 7 are queued; then, at its first cycle's end, it joins them in the batch. Returns (replies as
+    (text, completion tokens, finish reason, batch size), the single-request outputs of the same prompts, the
+    response ids, /health)."""
+    wants = [expected(app, chat_ids(app, p), max_tokens) for p in PROMPTS]
+    results, ids = [None] * 8, [None] * 8
+    api = client(port)
+
+    def one(i):
+        try:
+            answer(i)
+        except openai.APIError as e:
+            results[i] = ("error", f"{getattr(e, 'status_code', '')} {e}")
+
+    def answer(i):
+        kw = {"model": "default_model", "messages": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0}
+        if i % 2:
+            chunks = list(api.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            stats = chunks[-1].model_extra["dflash"]
+            results[i] = (text, chunks[-1].usage.completion_tokens, finish, stats["batch_size"])
+            ids[i] = chunks[0].id
+        else:
+            reply = api.chat.completions.create(**kw)
+            results[i] = (reply.choices[0].message.content, reply.usage.completion_tokens,
+                          reply.choices[0].finish_reason, reply.model_extra["dflash"]["batch_size"])
+            ids[i] = reply.id
+
+    with held_first(monkeypatch) as (gate, holding):
+        threads = [threading.Thread(target=one, args=(0,))]
+        threads[0].start()
+        assert holding.wait(TIMEOUT), "the first request never ran"
+        threads += [threading.Thread(target=one, args=(i,)) for i in range(1, 8)]
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: app.worker.jobs.qsize() == 7, "the other seven to queue")
+        gate.set()
+        for t in threads:
+            t.join(TIMEOUT)
+    return results, wants, ids, request(port, "GET", "/health")[2]
+
+
+def test_eight_concurrent_clients_are_batched_and_answer_as_one_alone(tiny_pair, tiny_dflash2, monkeypatch):
+    """Every reply equals the target's own greedy output of its prompt (the prompts' outputs all differ, so a
+    reply given to the wrong client shows), none lost or repeated, and the server decoded them together: the
+    first one moved from the speculative path into the batch, the others joined it."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    want = [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert len({w[0] for w in want}) == 8  # distinct answers: a swap or a duplicate cannot pass
+    assert [r[:3] for r in results] == want
+    assert len(set(ids)) == 8 and None not in ids
+    assert health["batch"]["max_size"] == 8 and health["batch"]["batched_steps"] > 0
+    assert all(r[3] >= 2 for r in results), results  # each was decoded in a batch
+    assert health["active"] == 0 and health["queued"] == 0
+
+
+def test_negative_control_decode_concurrency_one_serves_one_at_a_time(tiny_pair, tiny_dflash2, monkeypatch):
+    """--decode-concurrency 1: the same answers, one request at a time, each alone: the batching checks fail."""
+    with running(tiny_pair[0], tiny_dflash2, "--decode-concurrency", 1) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    assert [r[:3] for r in results] == [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert health["batch"]["max_size"] == 0 and all(r[3] == 0 for r in results)
+
+
+def test_a_request_cancelled_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2, monkeypatch):
+    """A request cancelled inside the batch (as the handler cancels one whose client left) stops at the next step
+    with the others still decoding; they finish unchanged."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        victim, real, seen = chat_ids(app, PROMPTS[3]), serve.Worker._record, []
+
+        def record(worker, e, token, finish):
+            if e.job.prompt == victim and e.generated >= 4:
+                e.job.cancelled.set()
+                seen.append(len(worker.active))
+            return real(worker, e, token, finish)
+
+        monkeypatch.setattr(serve.Worker, "_record", record)
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    assert seen and seen[0] == 8  # cancelled while all eight were active
+    assert results[3][0] == "error"  # its stream ended with an error event
+    assert [r[:3] for i, r in enumerate(results) if i != 3] == \
+        [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != 3]
+    assert health["active"] == 0
