@@ -170,14 +170,15 @@ class PromptCaches:
 
     def take(self, model, drafter, prompt: list[int]) -> PromptCache:
         """The slot for a generation of `prompt` on `model` with `drafter` (None: plain decoding): the one sharing
-        the longest prefix with it, taken out of the pool when the prompt extends its whole sequence, else copied;
-        a new empty slot when none shares anything. Give it back with `put`."""
+        the longest prefix with it, taken out of the pool when the prompt extends its whole sequence, else copied
+        (the slot stays, now the most recently used); a new empty slot when none shares anything. Give it back with `put`."""
         slot, keep = self._best(model, drafter, prompt, False)
         if slot is None:
             return PromptCache()
         if keep >= len(slot.tokens):  # `shared` cut its tokens to those the cache covers
             del self.slots[id(slot)]
             return slot
+        self.slots.move_to_end(id(slot))  # used: the most recent now
         return slot.copy()
 
     def borrow(self, model, prompt: list[int]) -> tuple[list | None, int]:
