@@ -5,10 +5,11 @@ GET /health. Request fields are OpenAI's and mlx_lm.server's; every response car
 object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
 `X-DFlash-*` headers, so a fallback to plain decoding is visible.
 
-One worker thread owns the model and runs one generation at a time, reusing the caches of the shared prefix
-with the previous one (`PromptCache`). HTTP threads (the standard library's ThreadingHTTPServer, one per
+One worker thread owns the model: a lone request decodes speculatively, concurrent ones together in mlx-lm's
+`BatchGenerator` (`Worker`), each starting from the cached sequence sharing the longest prefix with it
+(`PromptCaches`). HTTP threads (the standard library's ThreadingHTTPServer, one per
 connection) validate a request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its
-records. A job is cancelled, at the next cycle, when its client disconnects, a stop string is met, or its
+records. A job is cancelled, at the next cycle or batch step, when its client disconnects, a stop string is met, or its
 timeout passes; the generation is always closed, which releases the model's capture.
 """
 
