@@ -16,12 +16,13 @@ from pathlib import Path
 import openai
 import pytest
 from conftest import SPECIALS, WORDS
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools
 from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, generate
 from dflash2_mlx.adaptive import AdaptiveBlocks
 from dflash2_mlx.generate import GenerationResponse
 
@@ -446,12 +447,15 @@ def held_first(monkeypatch):
 PROMPTS = [user(" ".join(f"w{7 * i + j + 3}" for j in range(1 + i % 5))) for i in range(8)]
 
 
-def eight_clients(app, port, monkeypatch, max_tokens=24) -> tuple[list, list, list, dict]:
+def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = None) -> tuple[list, list, list, dict]:
     """8 clients with the openai client at once (every other one streaming), T = 0: the first request is held
     after its first token until the other 7 are queued; then, at its first cycle's end, it joins them in the batch. Returns (replies as
     (text, completion tokens, finish reason, batch size), the single-request outputs of the same prompts, the
-    response ids, /health)."""
-    wants = [expected(app, chat_ids(app, p), max_tokens) for p in PROMPTS]
+    response ids, /health). `extra`: mlx_lm.server's logits-processor fields, sent by every client and applied to
+    the single-request outputs by mlx-lm's `make_logits_processors`."""
+    processors = make_logits_processors(**extra) if extra else None
+    wants = [generate(app.worker.model, app.tokenizer, chat_ids(app, p), None, verify_mode="off",
+                      max_tokens=max_tokens, logits_processors=processors) for p in PROMPTS]
     results, ids = [None] * 8, [None] * 8
     api = client(port)
 
@@ -463,6 +467,8 @@ def eight_clients(app, port, monkeypatch, max_tokens=24) -> tuple[list, list, li
 
     def answer(i):
         kw = {"model": "default_model", "messages": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0}
+        if extra:
+            kw["extra_body"] = {**extra, "logit_bias": {str(k): v for k, v in extra.get("logit_bias", {}).items()}}
         if i % 2:
             chunks = list(api.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -503,6 +509,18 @@ def test_eight_concurrent_clients_are_batched_and_answer_as_one_alone(tiny_pair,
     assert health["batch"]["max_size"] == 8 and health["batch"]["batched_steps"] > 0
     assert all(r[3] >= 2 for r in results), results  # each was decoded in a batch
     assert health["active"] == 0 and health["queued"] == 0
+
+
+def test_batched_requests_apply_their_logits_processors(tiny_pair, tiny_dflash2, monkeypatch):
+    """A repetition penalty and a logit bias: applied in the batch as mlx-lm applies them alone (the prompt and
+    the tokens generated so far as their context, speculative ones included)."""
+    extra = {"repetition_penalty": 1.5, "repetition_context_size": 8, "logit_bias": {204: -100.0, 180: 5.0}}
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch, extra=extra)
+        plain = [expected(app, chat_ids(app, p), 24).text for p in PROMPTS]
+    assert [r[:3] for r in results] == [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert health["batch"]["max_size"] == 8
+    assert sum(w.text != t for w, t in zip(wants, plain)) >= 6  # the processors changed the answers
 
 
 def test_negative_control_decode_concurrency_one_serves_one_at_a_time(tiny_pair, tiny_dflash2, monkeypatch):
