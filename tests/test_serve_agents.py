@@ -10,6 +10,7 @@ import itertools
 import json
 import shutil
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -531,22 +532,29 @@ def test_negative_control_decode_concurrency_one_serves_one_at_a_time(tiny_pair,
     assert health["batch"]["max_size"] == 0 and all(r[3] == 0 for r in results)
 
 
-def test_a_request_cancelled_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2, monkeypatch):
-    """A request cancelled inside the batch (as the handler cancels one whose client left) stops at the next step
-    with the others still decoding; they finish unchanged."""
+@pytest.mark.parametrize("victim, how", [(3, "cancelled"), (2, "timeout")])
+def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2, monkeypatch, victim, how):
+    """A request cancelled inside the batch (as the handler cancels one whose client left), or past its timeout,
+    stops at the next step with the others still decoding; they finish unchanged. The one past its timeout gets
+    the 504 it gets alone."""
     with running(tiny_pair[0], tiny_dflash2) as (app, port):
-        victim, real, seen = chat_ids(app, PROMPTS[3]), serve.Worker._record, []
+        ids_of, real, seen = chat_ids(app, PROMPTS[victim]), serve.Worker._record, []
 
         def record(worker, e, token, finish):
-            if e.job.prompt == victim and e.generated >= 4:
-                e.job.cancelled.set()
+            if e.job.prompt == ids_of and e.generated >= 4 and not seen:
+                if how == "cancelled":
+                    e.job.cancelled.set()
+                else:
+                    e.job.deadline = time.monotonic()
                 seen.append(len(worker.active))
             return real(worker, e, token, finish)
 
         monkeypatch.setattr(serve.Worker, "_record", record)
         results, wants, ids, health = eight_clients(app, port, monkeypatch)
-    assert seen and seen[0] == 8  # cancelled while all eight were active
-    assert results[3][0] == "error"  # its stream ended with an error event
-    assert [r[:3] for i, r in enumerate(results) if i != 3] == \
-        [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != 3]
+    assert seen == [8]  # stopped while all eight were active
+    assert results[victim][0] == "error"
+    if how == "timeout":
+        assert results[victim][1].startswith("504") and "ran past its timeout" in results[victim][1]
+    assert [r[:3] for i, r in enumerate(results) if i != victim] == \
+        [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != victim]
     assert health["active"] == 0
