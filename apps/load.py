@@ -194,7 +194,7 @@ def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tup
 def compare(args) -> int:
     """The same clients against both servers, one after the other; a markdown and a JSON report."""
     from dflash2_apps.peers import target_folder
-    from dflash2_mlx.assets import default_drafter
+    from dflash2_mlx.assets import default_drafter, default_target
 
     prompts = load_suite(args.prompts)
     out = Path(args.out)
@@ -210,12 +210,15 @@ def compare(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target, _ = target_folder(args.model, None, Path(tmp))
         drafter = str(args.draft_model or default_drafter())
-        report["target"], report["drafter"] = str(args.model or target), drafter
+        source = str(args.model or default_target())
+        report["target"] = source if source == target else f"{source} (as the mlx-lm folder both servers load: {target})"
+        report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
         port = free_port()
         for name, (cmd, env) in server_commands(args, target, drafter, port).items():
             log = Path(tmp) / f"{name.split()[0]}.log"
             print(f"[load] starting {name} on port {port}", file=sys.stderr, flush=True)
             proc = start_server(name, cmd, env, port, log, args.start_timeout)
+            report.setdefault("load_average", {})[name] = {"before": os.getloadavg()}
             try:
                 chat_turn("127.0.0.1", port, [{"role": "user", "content": prompts[0]}], 8, args.timeout)  # warm-up
                 rows = {}
@@ -228,6 +231,7 @@ def compare(args) -> int:
                           file=sys.stderr, flush=True)
                 report["servers"][name] = rows
             finally:
+                report["load_average"][name]["after"] = os.getloadavg()
                 stop_server(proc)
             report.setdefault("logs_tail", {})[name] = log.read_text()[-2000:]
     report["agreement"] = agreement(report)
@@ -240,6 +244,10 @@ def compare(args) -> int:
 
 def fmt(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def fmt_load(values) -> str:
+    return "n/a" if values is None else "/".join(f"{v:.1f}" for v in values)
 
 
 def agreement(report: dict) -> dict:
@@ -262,6 +270,10 @@ def markdown(report: dict) -> str:
              f"{s['verify_mode']}); {s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
              f"T = 0, prompts `{s['prompts']}`; streaming with usage. Machine: {report['machine']}.", "",
              f"Command: `{report['command']}`", "",
+             *([report["note"], ""] if report.get("note") else []),
+             *([f"Load average (1, 5, 15 min) before and after each server's runs: {loads}.", ""]
+               if (loads := "; ".join(f"{name}: {fmt_load(v.get('before'))} -> {fmt_load(v.get('after'))}"
+                                      for name, v in report.get("load_average", {}).items())) else []),
              "| clients | server | ok | failed | completion tokens/s | requests/s | latency p50 | latency p99 "
              "| TTFT p50 | largest batch (dflash2) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
