@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
@@ -53,6 +53,7 @@ MAX_BODY_BYTES = 16 << 20
 GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
+RESUME_MIN_TOKENS = 16  # a request left alone in the batch goes on speculatively if it has this many tokens to go
 
 
 class ApiError(Exception):
@@ -116,7 +117,8 @@ class Worker:
     more than one is active they decode together, by plain steps, in mlx-lm's `BatchGenerator` (continuous
     batching: requests join and leave between steps). A speculative request that others queue behind joins the
     batch at its next cycle boundary, moved there with its prompt and committed tokens and a copy of its target
-    cache; once batched, a request finishes in the batch. Admission is first come first served: the queue's head
+    cache; one left alone in the batch with nothing queued and at least RESUME_MIN_TOKENS to go leaves it and
+    goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is first come first served: the queue's head
     is admitted while fewer than `decode_concurrency` decode; a head the batch cannot take (a seeded request,
     whose draws a shared batch cannot reproduce, or any request on a target whose caches cannot be batched)
     waits for the batch to drain, later requests behind it.
@@ -192,8 +194,9 @@ class Worker:
             self.idle.clear()
             try:
                 handover = self._solo(job)
-                if handover is not None:
-                    self._batch(handover)
+                while handover is not None:  # batched until alone again, then speculative again, ...
+                    back = self._batch(handover)
+                    handover = None if back is None else self._solo(back[0].job, *back)
             except BaseException as e:  # noqa: BLE001 -- the worker outlives any one request
                 log.exception("generation failed")
                 for failed in self.active:
@@ -246,22 +249,26 @@ class Worker:
         with self.jobs.mutex:
             return self.jobs.queue[0] if self.jobs.queue else None
 
-    def _solo(self, job: Job):
+    def _solo(self, job: Job, resumed: Batched | None = None, tokens: list[int] | None = None):
         """Run `job` alone, speculatively; returns what `_batch` needs to continue it when others queued behind it
-        (at a cycle boundary), else None."""
-        if not self._start(job):
+        (at a cycle boundary), else None. `resumed`: the job left a batch alone, having generated `tokens` (its
+        prompt and every token generated so far) of which it sent `resumed.generated`."""
+        if resumed is None and not self._start(job):
             return None
-        kwargs = job.kwargs
+        kwargs, prompt, done = job.kwargs, job.prompt, 0
+        if resumed is not None:
+            prompt, done = tokens, resumed.generated
+            kwargs = {**kwargs, "max_tokens": kwargs["max_tokens"] - done}
         plain = kwargs.get("verify_mode") == "off" or self.drafter is None or \
-            kwargs.get("max_context") is not None and len(job.prompt) >= kwargs["max_context"]
+            kwargs.get("max_context") is not None and len(prompt) >= kwargs["max_context"]
         slot = PromptCache() if self.caches is None else \
-            self.caches.take(self.model, None if plain else self.drafter, job.prompt)
-        records = stream_generate(self.model, self.tokenizer, job.prompt, self.drafter, prompt_cache=slot, **kwargs)
-        reason, generated, handover = "finished", 0, False
+            self.caches.take(self.model, None if plain else self.drafter, prompt)
+        records = stream_generate(self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot, **kwargs)
+        reason, generated, handover = "finished", done, False
         try:
             for r in records:
-                job.events.put(("record", r))
                 generated += len(r.tokens)
+                job.events.put(("record", r if resumed is None else self._continued(r, resumed, generated)))
                 if r.finish_reason:
                     break
                 reason = self._stopped(job) or reason
@@ -273,16 +280,29 @@ class Worker:
                     break
         finally:
             records.close()  # releases the model's capture, at once; the slot is left whole
+        cached = slot.reused if resumed is None else resumed.cached
         if not handover:
             self._keep(slot)
-            self._end(job, reason, slot.reused)
+            self._end(job, reason, cached)
             return None
         cache, covered, rest = slot.resume()
         self._keep(slot)
-        return job, cache, covered, rest, generated, slot.reused
+        return job, cache, covered, rest, generated, cached
 
-    def _batch(self, handover) -> None:
-        """Decode the job handed over and every job the queue's head brings, together, until none is left."""
+    def _continued(self, r: GenerationResponse, resumed: Batched, generated: int) -> GenerationResponse:
+        """A record of a generation resumed after a batch, as the whole request's: its text decoded after the
+        tokens sent before (the resumed generation's own detokenizer starts blank), its counts from the start."""
+        d = resumed.detokenizer
+        for t in r.tokens if r.finish_reason != "stop" else r.tokens[:-1]:
+            d.add_token(t)
+        if r.finish_reason:
+            d.finalize()
+        return replace(r, text=d.last_segment, prompt_tokens=len(resumed.job.prompt), generation_tokens=generated)
+
+    def _batch(self, handover) -> tuple[Batched, list[int]] | None:
+        """Decode the job handed over and every job the queue's head brings, together, until none is left (None),
+        or until one is left alone with nothing queued and at least RESUME_MIN_TOKENS to go: then it leaves the
+        batch, to go on speculatively (its entry and its tokens so far, for `_solo`)."""
         gen = BatchGenerator(self.model, completion_batch_size=self.decode_concurrency,
                              prefill_batch_size=min(8, self.decode_concurrency))
         entries: dict[int, Batched] = {}
@@ -315,8 +335,31 @@ class Worker:
                             cache, tokens = left[uid]
                             self._keep(PromptCache.of_target(self.model, tokens, cache))
                         self._end(e.job, reason, e.cached)
+                if len(entries) == 1 and self._head() is None:
+                    back = self._alone(gen, entries)
+                    if back is not None:
+                        return back
         finally:
             gen.close()
+
+    def _alone(self, gen, entries: dict) -> tuple[Batched, list[int]] | None:
+        """Take the batch's one request out of it, to go on speculatively, when that can pay: a drafter to draft
+        with, a first token generated, at least RESUME_MIN_TOKENS to go. Its batch cache is kept as a slot (the
+        speculative generation prefills what no slot with the drafter's context holds)."""
+        ((uid, e),) = entries.items()
+        kw = e.job.kwargs
+        if self.drafter is None or kw.get("verify_mode") == "off" or not e.prompt_tps or \
+                kw["max_tokens"] - e.generated < RESUME_MIN_TOKENS:
+            return None
+        cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
+        del entries[uid]
+        tokens = list(tokens)
+        self._keep(PromptCache.of_target(self.model, tokens, cache))
+        if tokens[:len(e.job.prompt)] != e.job.prompt or len(tokens) != len(e.job.prompt) + e.generated:
+            raise RuntimeError(f"a batched sequence holds {len(tokens)} tokens, not its prompt and its "
+                               f"{e.generated} generated tokens")
+        self.batch_size = 0
+        return e, tokens
 
     def _admit(self, gen, entries: dict) -> None:
         """Admit queued jobs, first come first served, while the batch has room and the head can be batched."""

@@ -558,3 +558,48 @@ def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2,
     assert [r[:3] for i, r in enumerate(results) if i != victim] == \
         [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != victim]
     assert health["active"] == 0
+
+
+def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny_dflash2, monkeypatch):
+    """A long request (streamed) starts alone, speculatively; a short one queues behind it: both decode in the
+    batch; when the short one is done, the long one, alone with more than RESUME_MIN_TOKENS to go, leaves the
+    batch and finishes speculatively. Its text, streamed across the three phases, is the target's own greedy
+    output; so is the short one's."""
+    long_prompt, short_prompt = PROMPTS[1], PROMPTS[6]
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        want_long, want_short = expected(app, chat_ids(app, long_prompt), 48), expected(app, chat_ids(app, short_prompt), 4)
+        assert want_long.finish_reason == "length"  # it runs its 48 tokens: long past the short one
+        api, got = client(port), {}
+        modes, real = [], serve.Worker._continued
+
+        def continued(worker, r, resumed, generated):
+            modes.append(r.verify_mode)
+            return real(worker, r, resumed, generated)
+
+        monkeypatch.setattr(serve.Worker, "_continued", continued)
+
+        def long_client():
+            chunks = list(api.chat.completions.create(model="default_model", messages=long_prompt, max_tokens=48,
+                                                      stream=True, stream_options={"include_usage": True}))
+            got["long"] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                           chunks[-1].usage.completion_tokens, chunks[-1].model_extra["dflash"])
+
+        with held_first(monkeypatch) as (gate, holding):
+            first = threading.Thread(target=long_client)
+            first.start()
+            assert holding.wait(TIMEOUT)
+            second = threading.Thread(target=lambda: got.update(short=api.chat.completions.create(
+                model="default_model", messages=short_prompt, max_tokens=4)))
+            second.start()
+            wait_for(lambda: app.worker.jobs.qsize() == 1, "the short request to queue")
+            gate.set()
+            first.join(TIMEOUT)
+            second.join(TIMEOUT)
+        health = request(port, "GET", "/health")[2]
+    text, n, stats = got["long"]
+    assert (text, n) == (want_long.text, 48)
+    assert got["short"].choices[0].message.content == want_short.text
+    assert stats["batch_size"] == 2 and health["batch"]["max_size"] == 2
+    # the resumed generation was speculative, and the answer's last record came from it
+    assert modes and set(modes) == {"dflash"} and stats["verify_mode"] == "dflash"
+    assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
