@@ -211,7 +211,8 @@ def compare(args) -> int:
         target, _ = target_folder(args.model, None, Path(tmp))
         drafter = str(args.draft_model or default_drafter())
         source = str(args.model or default_target())
-        report["target"] = source if source == target else f"{source} (as the mlx-lm folder both servers load: {target})"
+        report["target"] = source if source == target else \
+            f"{source} (as the mlx-lm folder both servers load: {target})"
         report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
         port = free_port()
         for name, (cmd, env) in server_commands(args, target, drafter, port).items():

@@ -7,10 +7,10 @@ object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens
 
 One worker thread owns the model: a lone request decodes speculatively, concurrent ones together in mlx-lm's
 `BatchGenerator` (`Worker`), each starting from the cached sequence sharing the longest prefix with it
-(`PromptCaches`). HTTP threads (the standard library's ThreadingHTTPServer, one per
-connection) validate a request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its
-records. A job is cancelled, at the next cycle or batch step, when its client disconnects, a stop string is met, or its
-timeout passes; the generation is always closed, which releases the model's capture.
+(`PromptCaches`). HTTP threads (the standard library's ThreadingHTTPServer, one per connection) validate a
+request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its records. A job is
+cancelled, at the next cycle or batch step, when its client disconnects, a stop string is met, or its timeout
+passes; the generation is always closed, which releases the model's capture.
 """
 
 from __future__ import annotations
@@ -118,10 +118,10 @@ class Worker:
     batching: requests join and leave between steps). A speculative request that others queue behind joins the
     batch at its next cycle boundary, moved there with its prompt and committed tokens and a copy of its target
     cache; one left alone in the batch with nothing queued and at least RESUME_MIN_TOKENS to go leaves it and
-    goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is first come first served: the queue's head
-    is admitted while fewer than `decode_concurrency` decode; a head the batch cannot take (a seeded request,
-    whose draws a shared batch cannot reproduce, or any request on a target whose caches cannot be batched)
-    waits for the batch to drain, later requests behind it.
+    goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is
+    first come first served: the queue's head is admitted while fewer than `decode_concurrency` decode; a head
+    the batch cannot take (a seeded request, whose draws a shared batch cannot reproduce, or any request on a
+    target whose caches cannot be batched) waits for the batch to drain, later requests behind it.
 
     Events a job gets: ("record", GenerationResponse) ..., then ("end", reason, cached prompt tokens) with
     reason "finished", "cancelled" or "timeout", or ("error", exc)."""

@@ -171,7 +171,8 @@ class PromptCaches:
     def take(self, model, drafter, prompt: list[int]) -> PromptCache:
         """The slot for a generation of `prompt` on `model` with `drafter` (None: plain decoding): the one sharing
         the longest prefix with it, taken out of the pool when the prompt extends its whole sequence, else copied
-        (the slot stays, now the most recently used); a new empty slot when none shares anything. Give it back with `put`."""
+        (the slot stays, now the most recently used); a new empty slot when none shares anything. Give it back
+        with `put`."""
         slot, keep = self._best(model, drafter, prompt, False)
         if slot is None:
             return PromptCache()

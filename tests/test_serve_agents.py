@@ -450,10 +450,10 @@ PROMPTS = [user(" ".join(f"w{7 * i + j + 3}" for j in range(1 + i % 5))) for i i
 
 def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = None) -> tuple[list, list, list, dict]:
     """8 clients with the openai client at once (every other one streaming), T = 0: the first request is held
-    after its first token until the other 7 are queued; then, at its first cycle's end, it joins them in the batch. Returns (replies as
-    (text, completion tokens, finish reason, batch size), the single-request outputs of the same prompts, the
-    response ids, /health). `extra`: mlx_lm.server's logits-processor fields, sent by every client and applied to
-    the single-request outputs by mlx-lm's `make_logits_processors`."""
+    after its first token until the other 7 are queued; then, at its first cycle's end, it joins them in the
+    batch. Returns (replies as (text, completion tokens, finish reason, batch size), the single-request outputs
+    of the same prompts, the response ids, /health). `extra`: mlx_lm.server's logits-processor fields, sent by
+    every client and applied to the single-request outputs by mlx-lm's `make_logits_processors`."""
     processors = make_logits_processors(**extra) if extra else None
     wants = [generate(app.worker.model, app.tokenizer, chat_ids(app, p), None, verify_mode="off",
                       max_tokens=max_tokens, logits_processors=processors) for p in PROMPTS]
@@ -567,7 +567,8 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
     output; so is the short one's."""
     long_prompt, short_prompt = PROMPTS[1], PROMPTS[6]
     with running(tiny_pair[0], tiny_dflash2) as (app, port):
-        want_long, want_short = expected(app, chat_ids(app, long_prompt), 48), expected(app, chat_ids(app, short_prompt), 4)
+        want_long = expected(app, chat_ids(app, long_prompt), 48)
+        want_short = expected(app, chat_ids(app, short_prompt), 4)
         assert want_long.finish_reason == "length"  # it runs its 48 tokens: long past the short one
         api, got = client(port), {}
         modes, real = [], serve.Worker._continued
