@@ -604,3 +604,52 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
     # the resumed generation was speculative, and the answer's last record came from it
     assert modes and set(modes) == {"dflash"} and stats["verify_mode"] == "dflash"
     assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
+
+
+def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch) -> list[tuple[list[int], int]]:
+    """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
+    is held after one record, so that all of them are active at once."""
+    jobs = [serve.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
+    with held_first(monkeypatch) as (gate, holding):
+        worker.submit(jobs[0])
+        assert holding.wait(TIMEOUT)
+        for job in jobs[1:]:
+            worker.submit(job)
+        gate.set()
+        out = []
+        for job in jobs:
+            tokens = []
+            while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
+                tokens += event[1].tokens
+            assert event[:2] == ("end", "finished"), event
+            out.append((tokens, event[2]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_swa", "qwen3_5"])
+def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch):
+    """KV caches, sliding-window caches that wrap (window 8) and a hybrid target's GatedDeltaNet state: four
+    prompts batched (one moved in from the speculative path after a cycle), then their next turns batched from
+    the slots the first wave left; every answer is plain decoding's from scratch."""
+    from conftest import make_dflash2_drafter, make_hybrid, make_target
+
+    model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
+    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    kw = {"max_tokens": 20, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
+    alone = lambda p: generate(model, tokenizer, p, None, verify_mode="off", max_tokens=20,  # noqa: E731
+                               eos_token_ids=[]).tokens
+    try:
+        prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(4)]
+        first = worker_answers(worker, prompts, kw, monkeypatch)
+        assert [tokens for tokens, _ in first] == [alone(p) for p in prompts]
+        assert worker.batch_size_max == 4
+        turns = [p + tokens + [7, 8] for p, (tokens, _) in zip(prompts, first)]
+        second = worker_answers(worker, turns, kw, monkeypatch)
+        assert [tokens for tokens, _ in second] == [alone(p) for p in turns]
+        # each next turn found its conversation's slot: the batched ones the whole first turn (all but its last
+        # token, generated but never fed); the first, alone again and speculative, only what the drafter saw of
+        # it (the prompt and the first cycle, before it moved into the batch: the batch leaves no drafter context)
+        assert all(cached >= len(p) + 19 for (_, cached), p in zip(second[1:], prompts[1:])), second
+        assert len(prompts[0]) < second[0][1] < len(prompts[0]) + 19, second
+    finally:
+        assert worker.stop()
