@@ -376,6 +376,9 @@ class Worker:
             cache, keep = (None, 0) if self.caches is None else self.caches.borrow(self.model, job.prompt)
             self.cache_info = self._cache_info()
             self._insert(gen, entries, job, job.prompt[keep:], cache, job.prompt[:keep], 0, keep)
+            if self.caches is not None and self.caches.max_bytes is not None:  # the budget covers the batch's too
+                self.caches.trim_to(self.caches.max_bytes - gen.prompt_cache_nbytes)
+                self.cache_info = self._cache_info()
 
     def _insert(self, gen, entries: dict, job: Job, rest: list[int], cache, covered: list[int], generated: int,
                 cached: int) -> None:
@@ -1028,8 +1031,8 @@ def add_parser(sub) -> None:
                    help="prompt-cache slots: distinct sequences kept, least recently used dropped first, as "
                    "mlx_lm.server's flag (default %(default)s)")
     p.add_argument("--prompt-cache-bytes", type=byte_size, default=d.prompt_cache_bytes,
-                   help="the slots' byte budget, e.g. 4GB or 512MB, as mlx_lm.server's flag (default: no bound but "
-                   "--prompt-cache-size)")
+                   help="the slots' byte budget, e.g. 4GB or 512MB, less what a running batch holds, as "
+                   "mlx_lm.server's flag (default: no bound but --prompt-cache-size)")
     p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
                    help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
                    "at a time, always speculatively (default %(default)s)")

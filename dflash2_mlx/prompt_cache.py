@@ -205,7 +205,13 @@ class PromptCaches:
         self.slots.move_to_end(id(slot))
         while len(self.slots) > self.max_size:
             self.slots.popitem(last=False)
-        while self.slots and self.max_bytes is not None and self.nbytes > self.max_bytes:
+        if self.max_bytes is not None:
+            self.trim_to(self.max_bytes)
+
+    def trim_to(self, n_bytes: int) -> None:
+        """Drop the least recently used slots until they hold at most `n_bytes` (e.g. the budget less what the
+        running generations hold, as mlx_lm.server trims its cache while it batches)."""
+        while self.slots and self.nbytes > n_bytes:
             self.slots.popitem(last=False)
 
     def clear(self) -> None:
