@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from dflash2_apps.openblas import openblas_library
+from dflash2_apps.peers import target_folder
+from dflash2_mlx.assets import default_drafter, default_target
 from dflash2_mlx.prompts import load_suite
 
 FOLLOW_UPS = ["Can you say that more briefly?", "Give one more example.", "Why is that?"]
@@ -181,9 +184,7 @@ def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tup
               "--port", str(port), "--queue-size", str(2 * max(args.levels)), *args.serve_arg]
     if args.verify_mode:
         dflash += ["--verify-mode", args.verify_mode]
-    mlx_env = dict(env)
-    from dflash2_apps.openblas import openblas_library  # the CLI preloads OpenBLAS itself; mlx_lm.server does not
-
+    mlx_env = dict(env)  # the CLI preloads OpenBLAS itself; mlx_lm.server does not
     library = openblas_library() if sys.platform == "linux" and not os.environ.get("DFLASH2_NO_OPENBLAS") else None
     if library:
         mlx_env["LD_PRELOAD"] = f"{library} {env.get('LD_PRELOAD', '')}".strip()
@@ -193,9 +194,6 @@ def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tup
 
 def compare(args) -> int:
     """The same clients against both servers, one after the other; a markdown and a JSON report."""
-    from dflash2_apps.peers import target_folder
-    from dflash2_mlx.assets import default_drafter, default_target
-
     prompts = load_suite(args.prompts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
