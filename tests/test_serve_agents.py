@@ -653,3 +653,30 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
         assert len(prompts[0]) < second[0][1] < len(prompts[0]) + 19, second
     finally:
         assert worker.stop()
+
+
+def test_a_seeded_request_runs_alone_and_draws_as_alone(tiny_pair, tiny_dflash2, monkeypatch):
+    """A request with a seed (T > 0) queued behind a running one: nothing is batched (a shared batch's draws could
+    not be the seed's), it runs alone after the first, and its text is the one the same request gets on an
+    idle server."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        api = client(port)
+        seeded = {"model": "default_model", "messages": PROMPTS[2], "max_tokens": 16, "temperature": 0.9, "seed": 7}
+        got = {}
+        with held_first(monkeypatch) as (gate, holding):
+            first = threading.Thread(target=lambda: got.update(first=api.chat.completions.create(
+                model="default_model", messages=PROMPTS[0], max_tokens=16)))
+            first.start()
+            assert holding.wait(TIMEOUT)
+            second = threading.Thread(target=lambda: got.update(seeded=api.chat.completions.create(**seeded)))
+            second.start()
+            wait_for(lambda: app.worker.jobs.qsize() == 1, "the seeded request to queue")
+            gate.set()
+            first.join(TIMEOUT)
+            second.join(TIMEOUT)
+        alone = api.chat.completions.create(**seeded)
+        health = request(port, "GET", "/health")[2]
+    assert health["batch"]["max_size"] == 0
+    assert got["first"].model_extra["dflash"]["batch_size"] == got["seeded"].model_extra["dflash"]["batch_size"] == 0
+    assert got["seeded"].choices[0].message.content == alone.choices[0].message.content
+    assert got["first"].choices[0].message.content == expected(app, chat_ids(app, PROMPTS[0]), 16).text
