@@ -7,6 +7,12 @@ T turns, streaming, and print throughput and latency percentiles.
 A turn's latency is from sending the request to the last event; TTFT to the first chunk with text. Each later
 turn resends the conversation so far (its prompt, the server's reply, a new question), so a server that reuses
 the shared prefix answers it faster; `cached` is the prompt tokens the server says it took from its cache.
+
+`--compare` runs the same clients against `dflash2 serve` and `mlx_lm.server` on the same target, one server after
+the other, at each of `--levels` concurrent clients, and writes a markdown and a JSON report (`--out`):
+
+    python -m dflash2_apps.load --compare --levels 1,2,4,8 --requests 2 --max-tokens 64 \
+        --out runs/smollm2/load-vs-mlx-lm
 """
 
 from __future__ import annotations
@@ -14,12 +20,22 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import platform
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
+from dflash2_apps.openblas import openblas_library
+from dflash2_apps.peers import target_folder
+from dflash2_mlx.assets import default_drafter, default_target
 from dflash2_mlx.prompts import load_suite
 
 FOLLOW_UPS = ["Can you say that more briefly?", "Give one more example.", "Why is that?"]
@@ -28,9 +44,7 @@ FOLLOW_UPS = ["Can you say that more briefly?", "Give one more example.", "Why i
 def percentiles(values: list[float], points=(50, 90, 99)) -> str:
     if not values:
         return "n/a"
-    ordered = sorted(values)
-    pick = lambda p: ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]  # noqa: E731
-    return " ".join(f"p{p} {pick(p) * 1000:.0f} ms" for p in points)
+    return " ".join(f"p{p} {percentile(values, p) * 1000:.0f} ms" for p in points)
 
 
 def chat_turn(host: str, port: int, messages: list[dict], max_tokens: int, timeout: float) -> dict:
@@ -65,6 +79,223 @@ def chat_turn(host: str, port: int, messages: list[dict], max_tokens: int, timeo
         conn.close()
 
 
+def run_clients(host: str, port: int, clients: int, requests: int, turns: int, max_tokens: int, prompts: list[str],
+                timeout: float) -> tuple[list[list[dict]], float]:
+    """`clients` threads, each sending `requests` conversations of `turns` turns: (the results of each turn, in
+    order of completion; wall seconds)."""
+    results: list[list[dict]] = [[] for _ in range(turns)]
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for m in range(requests):
+            messages = [{"role": "user", "content": prompts[(c * requests + m) % len(prompts)]}]
+            for t in range(turns):
+                result = chat_turn(host, port, messages, max_tokens, timeout)
+                result["prompt_index"] = (c * requests + m) % len(prompts)
+                with lock:
+                    results[t].append(result)
+                if "error" in result:
+                    break
+                messages += [{"role": "assistant", "content": result["text"]},
+                             {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - tic
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The nearest-rank percentile (as `percentiles` prints), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def level_summary(results: list[list[dict]], wall: float) -> dict:
+    """Throughput and latency of one run of `run_clients`."""
+    done = [r for turn in results for r in turn if "error" not in r]
+    errors = [r["error"] for turn in results for r in turn if "error" in r]
+    tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)
+    latency = [r["latency"] for r in done]
+    ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+    return {"requests": len(done), "failed": len(errors), "errors": errors[:5], "wall_s": wall,
+            "completion_tokens": tokens, "requests_per_s": len(done) / wall, "tokens_per_s": tokens / wall,
+            "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "batch_size_max": max((r["dflash"].get("batch_size", 0) for r in done), default=0),
+            "verify_modes": sorted({str(r["dflash"].get("verify_mode")) for r in done if r["dflash"]}),
+            "texts": {str(r["prompt_index"]): r["text"] for r in done}}
+
+
+# -- dflash2 serve against mlx_lm.server ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def start_server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout: float) -> subprocess.Popen:
+    """Start a server process (output to `log`) and wait until its /health answers 200."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not healthy(port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode}) before serving; its output: {log}")
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"{name} did not answer /health within {timeout:g} s; its output: {log}")
+        time.sleep(0.5)
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tuple[list[str], dict]]:
+    """(command, environment) of each server on `port`, serving `target` (the same folder for both)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    dflash = [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", target, "--draft-model", drafter,
+              "--port", str(port), "--queue-size", str(2 * max(args.levels)), *args.serve_arg]
+    if args.verify_mode:
+        dflash += ["--verify-mode", args.verify_mode]
+    mlx_env = dict(env)  # the CLI preloads OpenBLAS itself; mlx_lm.server does not
+    library = openblas_library() if sys.platform == "linux" and not os.environ.get("DFLASH2_NO_OPENBLAS") else None
+    if library:
+        mlx_env["LD_PRELOAD"] = f"{library} {env.get('LD_PRELOAD', '')}".strip()
+    mlx = [sys.executable, "-m", "mlx_lm.server", "--model", target, "--port", str(port)]
+    return {"dflash2 serve": (dflash, env), "mlx_lm.server": (mlx, mlx_env)}
+
+
+def compare(args) -> int:
+    """The same clients against both servers, one after the other; a markdown and a JSON report."""
+    prompts = load_suite(args.prompts)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"what": "dflash2 serve against mlx_lm.server: the same streaming chat clients, same target and prompts",
+              "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+              "command": " ".join(["python -m dflash2_apps.load", *sys.argv[1:]]) if args.argv is None
+              else " ".join(["python -m dflash2_apps.load", *args.argv]),
+              "settings": {"levels": args.levels, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+                           "temperature": 0, "prompts": args.prompts, "verify_mode": args.verify_mode or "default",
+                           "serve_args": args.serve_arg},
+              "servers": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        target, _ = target_folder(args.model, None, Path(tmp))
+        drafter = str(args.draft_model or default_drafter())
+        source = str(args.model or default_target())
+        report["target"] = source if source == target else \
+            f"{source} (as the mlx-lm folder both servers load: {target})"
+        report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
+        port = free_port()
+        for name, (cmd, env) in server_commands(args, target, drafter, port).items():
+            log = Path(tmp) / f"{name.split()[0]}.log"
+            print(f"[load] starting {name} on port {port}", file=sys.stderr, flush=True)
+            proc = start_server(name, cmd, env, port, log, args.start_timeout)
+            report.setdefault("load_average", {})[name] = {"before": os.getloadavg()}
+            try:
+                chat_turn("127.0.0.1", port, [{"role": "user", "content": prompts[0]}], 8, args.timeout)  # warm-up
+                rows = {}
+                for level in args.levels:
+                    results, wall = run_clients("127.0.0.1", port, level, args.requests, 1, args.max_tokens, prompts,
+                                                args.timeout)
+                    rows[str(level)] = row = level_summary(results, wall)
+                    print(f"[load] {name}, {level} clients: {row['tokens_per_s']:.1f} tokens/s, latency p50 "
+                          f"{fmt(row['latency_p50_s'])} p99 {fmt(row['latency_p99_s'])}, {row['failed']} failed",
+                          file=sys.stderr, flush=True)
+                report["servers"][name] = rows
+            finally:
+                report["load_average"][name]["after"] = os.getloadavg()
+                stop_server(proc)
+            report.setdefault("logs_tail", {})[name] = log.read_text()[-2000:]
+    report["agreement"] = agreement(report)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(f"[load] wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
+    failed = sum(row["failed"] for rows in report["servers"].values() for row in rows.values())
+    return 1 if failed else 0
+
+
+def fmt(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def fmt_load(values) -> str:
+    return "n/a" if values is None else "/".join(f"{v:.1f}" for v in values)
+
+
+def agreement(report: dict) -> dict:
+    """How many answers (same prompt, same level) are the same text from both servers (T = 0, one target)."""
+    a, b = (report["servers"].get(name, {}) for name in ("dflash2 serve", "mlx_lm.server"))
+    same = total = 0
+    for level, row in a.items():
+        other = b.get(level, {}).get("texts", {})
+        for prompt, text in row["texts"].items():
+            if prompt in other:
+                total += 1
+                same += text == other[prompt]
+    return {"same": same, "compared": total}
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"# {report['what']}", "",
+             f"Target `{report['target']}`, drafter `{report['drafter']}` (dflash2 serve, verify mode "
+             f"{s['verify_mode']}); {s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
+             f"T = 0, prompts `{s['prompts']}`; streaming with usage. Machine: {report['machine']}.", "",
+             f"Command: `{report['command']}`", "",
+             *([report["note"], ""] if report.get("note") else []),
+             *([f"Load average (1, 5, 15 min) before and after each server's runs: {loads}.", ""]
+               if (loads := "; ".join(f"{name}: {fmt_load(v.get('before'))} -> {fmt_load(v.get('after'))}"
+                                      for name, v in report.get("load_average", {}).items())) else []),
+             "| clients | server | ok | failed | completion tokens/s | requests/s | latency p50 | latency p99 "
+             "| TTFT p50 | largest batch (dflash2) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    servers = report["servers"]
+    for level in map(str, s["levels"]):
+        for name, rows in servers.items():
+            row = rows.get(level)
+            if row is None:
+                continue
+            batch = row["batch_size_max"] if name == "dflash2 serve" else ""
+            lines.append(f"| {level} | {name} | {row['requests']} | {row['failed']} | {row['tokens_per_s']:.1f} | "
+                         f"{row['requests_per_s']:.2f} | {fmt(row['latency_p50_s'])} | {fmt(row['latency_p99_s'])} | "
+                         f"{fmt(row['ttft_p50_s'])} | {batch} |")
+    ours, theirs = servers.get("dflash2 serve", {}), servers.get("mlx_lm.server", {})
+    ratios = [f"{level}: {ours[level]['tokens_per_s'] / theirs[level]['tokens_per_s']:.2f}x"
+              for level in map(str, s["levels"]) if level in ours and level in theirs
+              and theirs[level]["tokens_per_s"] > 0]
+    lines += ["", f"Throughput, dflash2 serve / mlx_lm.server, by clients: {', '.join(ratios) or 'n/a'}.",
+              f"Same answer from both servers (same prompt and level): {report['agreement']['same']} of "
+              f"{report['agreement']['compared']}.", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash2_apps.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8080")
@@ -74,32 +305,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompts", default="math", help="a prompt suite (math, chat, code) or a JSONL file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    c = p.add_argument_group("--compare: dflash2 serve against mlx_lm.server")
+    c.add_argument("--compare", action="store_true", help="start each server in turn on the same target and run "
+                   "the clients against it at every --levels; write --out .md and .json")
+    c.add_argument("--levels", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
+                   help="concurrent clients, comma-separated (default 1,2,4,8)")
+    c.add_argument("--model", help="the target (default: the default target); GGUF is converted for mlx_lm.server")
+    c.add_argument("--draft-model", help="dflash2 serve's drafter (default: the bundled one)")
+    c.add_argument("--verify-mode", help="dflash2 serve's --verify-mode (default: its own)")
+    c.add_argument("--serve-arg", action="append", default=[], help="one more argument for dflash2 serve "
+                   "(repeatable, e.g. --serve-arg=--block-size --serve-arg=8)")
+    c.add_argument("--out", default="load-vs-mlx-lm", help="report path without suffix (default %(default)s)")
+    c.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to start")
     args = p.parse_args(argv)
+    args.argv = argv
+    if args.compare:
+        if any(n < 1 for n in args.levels) or args.requests < 1:
+            p.error("--levels and --requests must be positive")
+        return compare(args)
     prompts = load_suite(args.prompts)
     url = urlparse(args.url)
     host, port = url.hostname, url.port or 80
-    turns: list[list[dict]] = [[] for _ in range(args.turns)]
-    lock = threading.Lock()
-
-    def client(c: int) -> None:
-        for m in range(args.requests):
-            messages = [{"role": "user", "content": prompts[(c * args.requests + m) % len(prompts)]}]
-            for t in range(args.turns):
-                result = chat_turn(host, port, messages, args.max_tokens, args.timeout)
-                with lock:
-                    turns[t].append(result)
-                if "error" in result:
-                    break
-                messages += [{"role": "assistant", "content": result["text"]},
-                             {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
-
-    tic = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - tic
+    turns, wall = run_clients(host, port, args.clients, args.requests, args.turns, args.max_tokens, prompts,
+                              args.timeout)
     done = [r for results in turns for r in results if "error" not in r]
     errors = [r["error"] for results in turns for r in results if "error" in r]
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)

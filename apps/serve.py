@@ -5,11 +5,12 @@ GET /health. Request fields are OpenAI's and mlx_lm.server's; every response car
 object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
 `X-DFlash-*` headers, so a fallback to plain decoding is visible.
 
-One worker thread owns the model and runs one generation at a time, reusing the caches of the shared prefix
-with the previous one (`PromptCache`). HTTP threads (the standard library's ThreadingHTTPServer, one per
-connection) validate a request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its
-records. A job is cancelled, at the next cycle, when its client disconnects, a stop string is met, or its
-timeout passes; the generation is always closed, which releases the model's capture.
+One worker thread owns the model: a lone request decodes speculatively, concurrent ones together in mlx-lm's
+`BatchGenerator` (`Worker`), each starting from the cached sequence sharing the longest prefix with it
+(`PromptCaches`). HTTP threads (the standard library's ThreadingHTTPServer, one per connection) validate a
+request, queue it (bounded: a full queue answers 503 with Retry-After) and relay its records. A job is
+cancelled, at the next cycle or batch step, when its client disconnects, a stop string is met, or its timeout
+passes; the generation is always closed, which releases the model's capture.
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
-from mlx_lm.generate import TextStateMachine
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.generate import BatchGenerator, StopSequences, TextStateMachine
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.server import ToolCallFormatter
+from mlx_lm.utils import _parse_size as parse_size
 
 from dflash2_apps import common
-from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx import PromptCache, PromptCaches, stream_generate
 from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
 from dflash2_mlx.generate import GenerationResponse, encode_text, resolve_block_size, summarize
@@ -50,6 +53,7 @@ MAX_BODY_BYTES = 16 << 20
 GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
+RESUME_MIN_TOKENS = 16  # a request left alone in the batch goes on speculatively if it has this many tokens to go
 
 
 class ApiError(Exception):
@@ -75,10 +79,13 @@ class ServeSettings:
 
     host: str = "127.0.0.1"  # anything but loopback exposes the model to the network
     port: int = 8080  # 0 picks a free port
-    queue_size: int = 8  # requests waiting beyond the running one; more get 503
+    queue_size: int = 8  # requests waiting beyond the running ones; more get 503
     request_timeout: float = 600.0  # seconds a request may take, queueing included
     context_length: int | None = None  # longest prompt + max_tokens accepted; None: the model's own
-    prompt_cache: bool = True  # reuse the previous request's caches for the prefix a request shares with it
+    prompt_cache: bool = True  # reuse cached prefixes (`PromptCaches`) for the prefix a request shares with one
+    prompt_cache_size: int = 10  # prompt-cache slots (distinct cached sequences), as mlx_lm.server's flag
+    prompt_cache_bytes: int | None = None  # their byte budget; None: bounded by the slot count alone
+    decode_concurrency: int = 32  # most requests decoded together (mlx_lm.server's flag); more wait queued
 
 
 @dataclass
@@ -88,24 +95,65 @@ class Job:
     deadline: float  # time.monotonic()
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    started: float = 0.0  # time.monotonic() when the worker took it
+    batch_size: int = 0  # the most requests it was decoded together with (0: it ran alone)
+
+
+@dataclass
+class Batched:
+    """A job decoding in the batch: its detokenizer and counts."""
+
+    job: Job
+    detokenizer: object
+    generated: int  # tokens generated so far (speculatively, before it joined the batch, included)
+    cached: int  # prompt tokens taken from the prompt cache
+    prefill: int  # prompt (and committed) tokens the batch still had to run
+    tic: float
+    prompt_tps: float = 0.0
 
 
 class Worker:
-    """The one thread that runs generations. Events a job gets: ("record", GenerationResponse) ..., then
-    ("end", reason, cached prompt tokens) with reason "finished", "cancelled" or "timeout", or ("error", exc)."""
+    """The one thread that runs generations. A lone request decodes speculatively (`stream_generate`); while
+    more than one is active they decode together, by plain steps, in mlx-lm's `BatchGenerator` (continuous
+    batching: requests join and leave between steps). A speculative request that others queue behind joins the
+    batch at its next cycle boundary, moved there with its prompt and committed tokens and a copy of its target
+    cache; one left alone in the batch with nothing queued and at least RESUME_MIN_TOKENS to go leaves it and
+    goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is
+    first come first served: the queue's head is admitted while fewer than `decode_concurrency` decode; a head
+    the batch cannot take (a seeded request, whose draws a shared batch cannot reproduce, or any request on a
+    target whose caches cannot be batched) waits for the batch to drain, later requests behind it.
 
-    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool):
+    Events a job gets: ("record", GenerationResponse) ..., then ("end", reason, cached prompt tokens) with
+    reason "finished", "cancelled" or "timeout", or ("error", exc)."""
+
+    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool, prompt_cache_size: int = 10,
+                 prompt_cache_bytes: int | None = None, decode_concurrency: int = 32):
         if queue_size < 1:
             raise ValueError(f"--queue-size must be at least 1, got {queue_size}")
+        if decode_concurrency < 1:
+            raise ValueError(f"--decode-concurrency must be at least 1, got {decode_concurrency}")
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.cache = PromptCache() if prompt_cache else None
-        self.running: Job | None = None
+        self.caches = PromptCaches(prompt_cache_size, prompt_cache_bytes) if prompt_cache else None
+        self.cache_info = self._cache_info()
+        self.decode_concurrency = decode_concurrency
+        # mlx_lm.server's test: every cache layer can be merged into a batch
+        self.batchable = decode_concurrency > 1 and all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.active: list[Job] = []  # generating now, oldest first (replaced, never changed in place)
+        self.batch_size = 0  # requests in the batch's last decode step (0: none batched now)
+        self.batch_size_max = 0  # the most requests one decode step has served
+        self.batched_steps = 0  # decode steps that served more than one request
         self.durations: deque = deque(maxlen=16)  # seconds of recent jobs, for Retry-After
         self.idle, self.closed = threading.Event(), False
         self.idle.set()
         self.thread = threading.Thread(target=self._loop, name="dflash2-worker", daemon=True)
         self.thread.start()
+
+    @property
+    def running(self) -> Job | None:
+        """The oldest job generating now."""
+        active = self.active
+        return active[0] if active else None
 
     def submit(self, job: Job) -> bool:
         if self.closed:
@@ -119,7 +167,7 @@ class Worker:
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free."""
         mean = sum(self.durations) / len(self.durations) if self.durations else 1.0
-        return max(1, math.ceil(mean))
+        return max(1, math.ceil(mean / max(1, len(self.active))))
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Cancel everything queued and running; True once no generation runs. The thread itself is left
@@ -134,46 +182,238 @@ class Worker:
                 break
             job.cancelled.set()
             job.events.put(("end", "cancelled", 0))
-        if self.running is not None:
-            self.running.cancelled.set()
+        for job in self.active:
+            job.cancelled.set()
         return self.idle.wait(timeout)
+
+    # -- the worker's thread ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
             self.idle.clear()
-            self.running, tic = job, time.monotonic()
             try:
-                self._serve(job)
+                handover = self._solo(job)
+                while handover is not None:  # batched until alone again, then speculative again, ...
+                    back = self._batch(handover)
+                    handover = None if back is None else self._solo(back[0].job, *back)
             except BaseException as e:  # noqa: BLE001 -- the worker outlives any one request
                 log.exception("generation failed")
-                job.events.put(("error", e))
+                for failed in self.active:
+                    failed.events.put(("error", e))
             finally:
-                self.running = None
-                self.durations.append(time.monotonic() - tic)
+                self.active, self.batch_size = [], 0
                 if self.jobs.empty():
                     self.idle.set()
 
-    def _serve(self, job: Job) -> None:
+    def _stopped(self, job: Job) -> str | None:
+        """Why `job` must stop now ("cancelled", "timeout"), or None."""
         if self.closed:
             job.cancelled.set()
-        if job.cancelled.is_set() or time.monotonic() > job.deadline:
-            job.events.put(("end", "cancelled" if job.cancelled.is_set() else "timeout", 0))
-            return
-        records = stream_generate(self.model, self.tokenizer, job.prompt, self.drafter, prompt_cache=self.cache,
-                                  **job.kwargs)
-        reason = "finished"
+        if job.cancelled.is_set():
+            return "cancelled"
+        return "timeout" if time.monotonic() > job.deadline else None
+
+    def _start(self, job: Job) -> bool:
+        """Make `job` active; False (its end sent) when it was cancelled or timed out while queued."""
+        reason = self._stopped(job)
+        if reason is not None:
+            job.events.put(("end", reason, 0))
+            return False
+        job.started = time.monotonic()
+        self.active = [*self.active, job]
+        return True
+
+    def _end(self, job: Job, reason: str, cached: int) -> None:
+        job.events.put(("end", reason, cached))
+        self.durations.append(time.monotonic() - job.started)
+        self.active = [j for j in self.active if j is not job]
+
+    def _cache_info(self) -> dict:
+        caches = self.caches
+        if caches is None:
+            return {"slots": 0, "bytes": 0, "max_slots": 0, "max_bytes": 0}
+        return {"slots": len(caches), "bytes": caches.nbytes, "max_slots": caches.max_size,
+                "max_bytes": caches.max_bytes}
+
+    def _keep(self, slot: PromptCache) -> None:
+        if self.caches is not None:
+            self.caches.put(slot)
+            self.cache_info = self._cache_info()
+
+    def _can_batch(self, job: Job) -> bool:
+        return self.batchable and job.kwargs.get("seed") is None
+
+    def _head(self) -> Job | None:
+        """The job first in the queue (only this thread takes from it; `stop` may empty it)."""
+        with self.jobs.mutex:
+            return self.jobs.queue[0] if self.jobs.queue else None
+
+    def _solo(self, job: Job, resumed: Batched | None = None, tokens: list[int] | None = None):
+        """Run `job` alone, speculatively; returns what `_batch` needs to continue it when others queued behind it
+        (at a cycle boundary), else None. `resumed`: the job left a batch alone, having generated `tokens` (its
+        prompt and every token generated so far) of which it sent `resumed.generated`."""
+        if resumed is None and not self._start(job):
+            return None
+        kwargs, prompt, done = job.kwargs, job.prompt, 0
+        if resumed is not None:
+            prompt, done = tokens, resumed.generated
+            kwargs = {**kwargs, "max_tokens": kwargs["max_tokens"] - done}
+        plain = kwargs.get("verify_mode") == "off" or self.drafter is None or \
+            kwargs.get("max_context") is not None and len(prompt) >= kwargs["max_context"]
+        slot = PromptCache() if self.caches is None else \
+            self.caches.take(self.model, None if plain else self.drafter, prompt)
+        records = stream_generate(self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot, **kwargs)
+        reason, generated, handover = "finished", done, False
         try:
             for r in records:
-                job.events.put(("record", r))
+                generated += len(r.tokens)
+                job.events.put(("record", r if resumed is None else self._continued(r, resumed, generated)))
                 if r.finish_reason:
                     break
-                if job.cancelled.is_set() or time.monotonic() > job.deadline:
-                    reason = "cancelled" if job.cancelled.is_set() else "timeout"
+                reason = self._stopped(job) or reason
+                if reason != "finished":
+                    break
+                head = self._head()
+                if head is not None and self._can_batch(job) and self._can_batch(head):
+                    handover = True
                     break
         finally:
-            records.close()  # releases the model's capture, at once
-        job.events.put(("end", reason, self.cache.reused if self.cache is not None else 0))
+            records.close()  # releases the model's capture, at once; the slot is left whole
+        cached = slot.reused if resumed is None else resumed.cached
+        if not handover:
+            self._keep(slot)
+            self._end(job, reason, cached)
+            return None
+        cache, covered, rest = slot.resume()
+        self._keep(slot)
+        return job, cache, covered, rest, generated, cached
+
+    def _continued(self, r: GenerationResponse, resumed: Batched, generated: int) -> GenerationResponse:
+        """A record of a generation resumed after a batch, as the whole request's: its text decoded after the
+        tokens sent before (the resumed generation's own detokenizer starts blank), its counts from the start."""
+        d = resumed.detokenizer
+        for t in r.tokens if r.finish_reason != "stop" else r.tokens[:-1]:
+            d.add_token(t)
+        if r.finish_reason:
+            d.finalize()
+        return replace(r, text=d.last_segment, prompt_tokens=len(resumed.job.prompt), generation_tokens=generated)
+
+    def _batch(self, handover) -> tuple[Batched, list[int]] | None:
+        """Decode the job handed over and every job the queue's head brings, together, until none is left (None),
+        or until one is left alone with nothing queued and at least RESUME_MIN_TOKENS to go: then it leaves the
+        batch, to go on speculatively (its entry and its tokens so far, for `_solo`)."""
+        gen = BatchGenerator(self.model, completion_batch_size=self.decode_concurrency,
+                             prefill_batch_size=min(8, self.decode_concurrency))
+        entries: dict[int, Batched] = {}
+        try:
+            job, cache, covered, rest, generated, cached = handover
+            self._insert(gen, entries, job, rest, cache, covered, generated, cached)
+            while True:
+                self._admit(gen, entries)
+                if not entries:
+                    return
+                _, responses = gen.next()
+                if len(responses) > 1:
+                    self.batched_steps += 1
+                    self.batch_size_max = max(self.batch_size_max, len(responses))
+                self.batch_size = len(entries)
+                for r in responses:
+                    e = entries[r.uid]
+                    e.job.batch_size = max(e.job.batch_size, len(responses))
+                    e.job.events.put(("record", self._record(e, r.token, r.finish_reason)))
+                    if r.finish_reason:
+                        del entries[r.uid]
+                        self._keep(PromptCache.of_target(self.model, r.all_tokens, r.prompt_cache))
+                        self._end(e.job, "finished", e.cached)
+                for uid, e in list(entries.items()):
+                    reason = self._stopped(e.job)
+                    if reason is not None:
+                        left = gen.remove([uid], return_prompt_caches=True)
+                        del entries[uid]
+                        if uid in left:
+                            cache, tokens = left[uid]
+                            self._keep(PromptCache.of_target(self.model, tokens, cache))
+                        self._end(e.job, reason, e.cached)
+                if len(entries) == 1 and self._head() is None:
+                    back = self._alone(gen, entries)
+                    if back is not None:
+                        return back
+        finally:
+            gen.close()
+
+    def _alone(self, gen, entries: dict) -> tuple[Batched, list[int]] | None:
+        """Take the batch's one request out of it, to go on speculatively, when that can pay: a drafter to draft
+        with, a first token generated, at least RESUME_MIN_TOKENS to go. Its batch cache is kept as a slot (the
+        speculative generation prefills what no slot with the drafter's context holds)."""
+        ((uid, e),) = entries.items()
+        kw = e.job.kwargs
+        if self.drafter is None or kw.get("verify_mode") == "off" or not e.prompt_tps or \
+                kw["max_tokens"] - e.generated < RESUME_MIN_TOKENS:
+            return None
+        cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
+        del entries[uid]
+        tokens = list(tokens)
+        self._keep(PromptCache.of_target(self.model, tokens, cache))
+        if tokens[:len(e.job.prompt)] != e.job.prompt or len(tokens) != len(e.job.prompt) + e.generated:
+            raise RuntimeError(f"a batched sequence holds {len(tokens)} tokens, not its prompt and its "
+                               f"{e.generated} generated tokens")
+        self.batch_size = 0
+        return e, tokens
+
+    def _admit(self, gen, entries: dict) -> None:
+        """Admit queued jobs, first come first served, while the batch has room and the head can be batched."""
+        while len(entries) < self.decode_concurrency:
+            head = self._head()
+            if head is None or not self._can_batch(head):
+                return
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:  # `stop` emptied it
+                return
+            if not self._start(job):
+                continue
+            cache, keep = (None, 0) if self.caches is None else self.caches.borrow(self.model, job.prompt)
+            self.cache_info = self._cache_info()
+            self._insert(gen, entries, job, job.prompt[keep:], cache, job.prompt[:keep], 0, keep)
+            if self.caches is not None and self.caches.max_bytes is not None:  # the budget covers the batch's too
+                self.caches.trim_to(self.caches.max_bytes - gen.prompt_cache_nbytes)
+                self.cache_info = self._cache_info()
+
+    def _insert(self, gen, entries: dict, job: Job, rest: list[int], cache, covered: list[int], generated: int,
+                cached: int) -> None:
+        """Put `job` in the batch: `rest` still to run over `cache` (None: a fresh one), which covers `covered`;
+        `generated` tokens of it were generated (and sent) before."""
+        kw = job.kwargs
+        temp = kw.get("temp", 0.0)
+        sampler = None if not temp else make_sampler(temp, kw.get("top_p", 1.0), kw.get("min_p", 0.0),
+                                                     top_k=kw.get("top_k", 0))
+        eos = kw.get("eos_token_ids")
+        eos = self.tokenizer.eos_token_ids if eos is None else eos
+        (uid,) = gen.insert([rest], max_tokens=[kw["max_tokens"] - generated], caches=[cache], all_tokens=[covered],
+                            samplers=[sampler], logits_processors=[kw.get("logits_processors") or []],
+                            stop_sequences=[StopSequences([[t] for t in eos])])
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        for t in (covered + rest)[len(job.prompt):]:  # the text sent already
+            detokenizer.add_token(t)
+        _ = detokenizer.last_segment
+        entries[uid] = Batched(job, detokenizer, generated, cached, len(rest), time.perf_counter())
+
+    def _record(self, e: Batched, token: int, finish: str | None) -> GenerationResponse:
+        """The record of one batched step, as `stream_generate` gives one (EOS is never rendered)."""
+        if finish != "stop":
+            e.detokenizer.add_token(token)
+        if finish:
+            e.detokenizer.finalize()
+        now = time.perf_counter()
+        if not e.prompt_tps:
+            e.prompt_tps, e.tic = e.prefill / max(now - e.tic, 1e-9), now
+        e.generated += 1
+        return GenerationResponse(
+            text=e.detokenizer.last_segment, tokens=[token], accepted=None, prompt_tokens=len(e.job.prompt),
+            prompt_tps=e.prompt_tps, generation_tokens=e.generated, generation_tps=e.generated / max(now - e.tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, verify_mode="off")
 
 
 class StopText:
@@ -379,7 +619,8 @@ class App:
         if self.context_length is None:
             log.warning("the model does not say its context length: prompts are not checked against one "
                         "(set --context-length)")
-        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache)
+        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache,
+                             settings.prompt_cache_size, settings.prompt_cache_bytes, settings.decode_concurrency)
         self.created = int(time.time())
 
     def parse(self, kind: str, body) -> Request:
@@ -556,7 +797,10 @@ class Handler(BaseHTTPRequestHandler):
             "status": "ok" if alive else "unavailable", "model": app.model_id,
             "served_model_names": app.model_names,
             "verify_mode": app.defaults.get("verify_mode"), "queued": app.worker.jobs.qsize(),
-            "running": app.worker.running is not None,
+            "running": app.worker.running is not None, "active": len(app.worker.active),
+            "batch": {"size": app.worker.batch_size, "max_size": app.worker.batch_size_max,
+                      "batched_steps": app.worker.batched_steps, "decode_concurrency": app.worker.decode_concurrency},
+            "prompt_cache": app.worker.cache_info,
             "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
                        "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
 
@@ -660,7 +904,7 @@ class Handler(BaseHTTPRequestHandler):
                 finish = record.finish_reason
         raise ClientGone  # not reached: _events ends with an "end" or "error" event
 
-    def _usage_and_stats(self, records, cached: int) -> tuple[dict, dict]:
+    def _usage_and_stats(self, records, cached: int, batch_size: int = 0) -> tuple[dict, dict]:
         completion = sum(len(r.tokens) for r in records)
         prompt = records[0].prompt_tokens if records else 0
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -672,7 +916,8 @@ class Handler(BaseHTTPRequestHandler):
         stats = {"verify_mode": result.verify_mode, "tau": result.tau, "cycles": result.cycles,
                  "accepted": sum(result.accepted), "block_size": result.block_size,
                  "plain_tokens": result.plain_tokens, "draft_failures": result.draft_failures,
-                 "cached_tokens": cached, "prompt_tps": result.prompt_tps, "generation_tps": result.generation_tps}
+                 "cached_tokens": cached, "prompt_tps": result.prompt_tps, "generation_tps": result.generation_tps,
+                 "batch_size": batch_size}
         return usage, stats
 
     def _complete(self, request: Request, job: Job) -> None:
@@ -690,7 +935,7 @@ class Handler(BaseHTTPRequestHandler):
             text, done = tools.finish()
             parts.append(text)
             calls.extend(done)
-        usage, stats = self._usage_and_stats(records, cached)
+        usage, stats = self._usage_and_stats(records, cached, job.batch_size)
         choice = self._choice(request, "".join(parts), self._finish(finish, tools), False, calls=calls)
         body = {**self._base(request, f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4()}", False),
                 "choices": [choice], "usage": usage, "dflash": stats}
@@ -733,7 +978,7 @@ class Handler(BaseHTTPRequestHandler):
             send(e.body())
             self.wfile.write(b"data: [DONE]\n\n")
             return
-        usage, stats = self._usage_and_stats(records, cached)
+        usage, stats = self._usage_and_stats(records, cached, job.batch_size)
         text, calls = tools.finish() if tools is not None else (None, [])
         send({**self._base(request, rid, True),
               "choices": [self._choice(request, text, self._finish(finish, tools), True, first[0], calls)],
@@ -780,12 +1025,31 @@ def add_parser(sub) -> None:
     p.add_argument("--context-length", type=int, default=d.context_length,
                    help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)")
     p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
-                   help="reuse the previous request's caches for the prefix a request shares with it")
+                   help="reuse cached sequences (the slots of earlier requests) for the prefix a request shares with "
+                   "one")
+    p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
+                   help="prompt-cache slots: distinct sequences kept, least recently used dropped first, as "
+                   "mlx_lm.server's flag (default %(default)s)")
+    p.add_argument("--prompt-cache-bytes", type=byte_size, default=d.prompt_cache_bytes,
+                   help="the slots' byte budget, e.g. 4GB or 512MB, less what a running batch holds, as "
+                   "mlx_lm.server's flag (default: no bound but --prompt-cache-size)")
+    p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
+                   help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
+                   "at a time, always speculatively (default %(default)s)")
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
                    "as vLLM's); GET /v1/models lists them all, any other name gets a 404")
     p.set_defaults(run=run)
+
+
+def byte_size(text: str) -> int:
+    """A --prompt-cache-bytes value: bytes, or a number with M, MB, G or GB (mlx_lm.server's reading)."""
+    try:
+        return parse_size(text)
+    except (KeyError, ArithmeticError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with M, MB, G or GB "
+                                         "(e.g. 512MB, 4GB)") from None
 
 
 def served_names(flags: list[str]) -> tuple[str, ...]:
@@ -799,7 +1063,8 @@ def served_names(flags: list[str]) -> tuple[str, ...]:
 def build_server(args):
     """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
     settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
-                             args.prompt_cache)
+                             args.prompt_cache, args.prompt_cache_size, args.prompt_cache_bytes,
+                             args.decode_concurrency)
     names = served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
     model, tokenizer, drafter = common.load_pair(args)
     app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,

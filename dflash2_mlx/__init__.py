@@ -4,7 +4,7 @@ from .formats.config import DraftConfig
 from .drafter import DFlashDraftModel
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loading import load, load_drafter
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, PromptCaches
 from .sampling import SamplingParams
 from .target import Target
 
@@ -16,6 +16,7 @@ __all__ = [
     "GenerationResponse",
     "GenerationResult",
     "PromptCache",
+    "PromptCaches",
     "SamplingParams",
     "Target",
     "generate",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target
 
-from dflash2_mlx import PromptCache, generate, stream_generate
+from dflash2_mlx import PromptCache, PromptCaches, generate, stream_generate
 
 
 def recording(drafter):
@@ -172,3 +172,52 @@ def test_second_chat_turn_on_the_default_pair(smollm2):
     assert cache.reused >= len(ids1) + len(first.tokens) - 2  # the reply as retokenized may differ at its end
     fresh = run(model, tokenizer, ids2, drafter, proposals, block_size=8, max_tokens=24, eos_token_ids=None)
     assert reused == fresh and sum(fresh[1]) > 0  # the drafter accepted something: its context mattered
+
+
+def test_prompt_caches_keep_recent_slots_within_their_bounds(tokenizer):
+    """Slots: three conversations through a pool of two keep the last two; a prompt extending a slot takes that
+    slot itself, one sharing part of it a copy (the slot keeps its sequence); a byte budget drops the least
+    recently used; every reuse gives what a fresh run gives."""
+    model = make_target("qwen3", seed=9)
+    drafter = make_dflash2_drafter(model, block_size=8)
+    proposals, pool = recording(drafter), PromptCaches(max_size=2)
+    prompts = [[20 + i] + list(range(30 + i, 40 + i)) for i in range(3)]
+    firsts = []
+    for p in prompts:
+        slot = pool.take(model, drafter, p)
+        assert slot.target_cache is None  # nothing shared: a new slot
+        firsts.append(run(model, tokenizer, p, drafter, proposals, slot))
+        pool.put(slot)
+    held = sorted(s.tokens[0] for s in pool.slots.values())
+    assert held == [21, 22] and len(pool) == 2  # the first conversation's slot went
+    # the third conversation's next turn: its slot, whole
+    turn = prompts[2] + firsts[2][0] + [7, 8]
+    slot = pool.take(model, drafter, turn)
+    assert slot.tokens[:len(prompts[2])] == prompts[2] and len(pool) == 1
+    assert run(model, tokenizer, turn, drafter, proposals, slot) == run(model, tokenizer, turn, drafter, proposals)
+    assert slot.reused >= len(prompts[2]) + len(firsts[2][0]) - 1
+    pool.put(slot)
+    # a prompt diverging inside the second conversation's prompt: a copy, the slot itself unchanged
+    second = next(s for s in pool.slots.values() if s.tokens[0] == 21)
+    before = list(second.tokens)
+    branch = prompts[1][:6] + [9, 9, 9]
+    slot = pool.take(model, drafter, branch)
+    assert slot is not second and second in pool.slots.values()
+    assert run(model, tokenizer, branch, drafter, proposals, slot) == run(model, tokenizer, branch, drafter,
+                                                                          proposals)
+    assert slot.reused == 6 and second.tokens == before
+    # the branch back in: three slots over a budget of two; then a byte budget that holds the newest only
+    pool.put(slot)
+    assert len(pool) == 2 and slot in pool.slots.values() and second in pool.slots.values()
+    sizes = {id(s): sum(a.nbytes for c in s.target_cache + s.draft_cache for a in (c.keys, c.values))
+             + sum(p.nbytes for p in s.pending) for s in pool.slots.values()}
+    pool.max_bytes = sizes[id(slot)]
+    pool.put(slot)
+    assert list(pool.slots.values()) == [slot] and pool.nbytes == sizes[id(slot)]
+
+
+def test_prompt_caches_refuse_bad_bounds():
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        PromptCaches(max_size=0)
+    with pytest.raises(ValueError, match="byte budget must be >= 0"):
+        PromptCaches(max_bytes=-1)

@@ -10,18 +10,20 @@ import itertools
 import json
 import shutil
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import openai
 import pytest
 from conftest import SPECIALS, WORDS
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools
-from test_serve import GOOD, TIMEOUT, request, running, user
+from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
-from dflash2_mlx import adaptive
+from dflash2_mlx import adaptive, generate
 from dflash2_mlx.adaptive import AdaptiveBlocks
 from dflash2_mlx.generate import GenerationResponse
 
@@ -355,3 +357,326 @@ def test_a_template_without_tools_gets_a_400(tiny_pair, tiny_dflash2):
             client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS)
         assert "this model's chat template does not support tools" in str(caught.value)
         assert caught.value.body["param"] == "tools"
+
+
+# -- prompt-cache slots ----------------------------------------------------------------------------------------
+
+
+def interleaved(port: int, app) -> dict:
+    """Three conversations, turns interleaved (A1 B1 C1, then A2 B2 C2): A by chat, B by streaming chat with usage,
+    C by text completions. The cached tokens and the prompt of each second turn, and whether its text equals
+    plain decoding's from scratch."""
+    api, out = client(port), {}
+    a1, b1, c1 = user("w20 w21 w22 w23 w24"), user("w30 w31 w32 w33"), "w40 w41 w42 w43 w44 w45"
+    ra = api.chat.completions.create(model="default_model", messages=a1, max_tokens=8).choices[0].message.content
+    rb = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="default_model", messages=b1, max_tokens=8, stream=True) if c.choices)
+    rc = api.completions.create(model="default_model", prompt=c1, max_tokens=8).choices[0].text
+    a2 = [*a1, {"role": "assistant", "content": ra}, *user("w25 w26")]
+    reply = api.chat.completions.create(model="default_model", messages=a2, max_tokens=8)
+    out["A"] = (reply.usage.prompt_tokens_details.cached_tokens, chat_ids(app, a1),
+                reply.choices[0].message.content == expected(app, chat_ids(app, a2), 8).text)
+    b2 = [*b1, {"role": "assistant", "content": rb}, *user("w34")]
+    chunks = list(api.chat.completions.create(model="default_model", messages=b2, max_tokens=8, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    out["B"] = (chunks[-1].usage.prompt_tokens_details.cached_tokens, chat_ids(app, b1),
+                text == expected(app, chat_ids(app, b2), 8).text)
+    c2 = f"{c1} {rc} w46 w47"
+    reply = api.completions.create(model="default_model", prompt=c2, max_tokens=8)
+    out["C"] = (reply.usage.prompt_tokens_details.cached_tokens, app.tokenizer.encode(c1),
+                reply.choices[0].text == expected(app, c2, 8).text)
+    return out
+
+
+def test_interleaved_conversations_each_reuse_their_own_prefix(tiny_pair, tiny_dflash2):
+    """Three slots: every second turn takes its whole first turn (prompt and all but perhaps the reply's last
+    token) from the cache, whatever ran in between, and answers as plain decoding from scratch does."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        for name, (cached, first, same) in interleaved(port, app).items():
+            assert same, name
+            assert cached >= len(first), (name, cached, len(first))
+        health = request(port, "GET", "/health")[2]["prompt_cache"]
+        assert health["slots"] == 3 and health["max_slots"] == 10 and health["bytes"] > 0
+
+
+def test_negative_control_one_slot_forgets_the_other_conversations(tiny_pair, tiny_dflash2):
+    """With one slot (mlx_lm.server's --prompt-cache-size 1) each first turn evicts the one before: the second
+    turns of A and B find only C's sequence, which shares at most the chat template's opening with them."""
+    with running(tiny_pair[0], tiny_dflash2, "--prompt-cache-size", 1) as (app, port):
+        got = interleaved(port, app)
+        for name in ("A", "B"):
+            cached, first, same = got[name]
+            assert same and cached < len(first) - 2, (name, cached, len(first))
+        assert request(port, "GET", "/health")[2]["prompt_cache"]["slots"] == 1
+
+
+def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
+    with running(tiny_pair[0], tiny_dflash2, "--prompt-cache-bytes", "1") as (app, port):
+        got = interleaved(port, app)
+        assert all(cached == 0 and same for cached, _, same in got.values()), got
+        info = request(port, "GET", "/health")[2]["prompt_cache"]
+        assert (info["slots"], info["bytes"], info["max_bytes"]) == (0, 0, 1)
+
+
+# -- concurrency: batched decoding ------------------------------------------------------------------------------
+
+
+@contextmanager
+def held_first(monkeypatch):
+    """The first generation holds before its second record (a speculative cycle) until the gate opens; `holding`
+    is set once it waits there."""
+    gate, holding, real = threading.Event(), threading.Event(), serve.stream_generate
+    calls = []
+
+    def held(*args, **kwargs):
+        calls.append(1)
+        first = len(calls) == 1
+        for i, record in enumerate(real(*args, **kwargs)):
+            if i == 1 and first:
+                holding.set()
+                assert gate.wait(TIMEOUT), "the test never opened the gate"
+            yield record
+
+    monkeypatch.setattr(serve, "stream_generate", held)
+    try:
+        yield gate, holding
+    finally:
+        gate.set()
+
+
+PROMPTS = [user(" ".join(f"w{7 * i + j + 3}" for j in range(1 + i % 5))) for i in range(8)]
+
+
+def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = None) -> tuple[list, list, list, dict]:
+    """8 clients with the openai client at once (every other one streaming), T = 0: the first request is held
+    after its first token until the other 7 are queued; then, at its first cycle's end, it joins them in the
+    batch. Returns (replies as (text, completion tokens, finish reason, batch size), the single-request outputs
+    of the same prompts, the response ids, /health). `extra`: mlx_lm.server's logits-processor fields, sent by
+    every client and applied to the single-request outputs by mlx-lm's `make_logits_processors`."""
+    processors = make_logits_processors(**extra) if extra else None
+    wants = [generate(app.worker.model, app.tokenizer, chat_ids(app, p), None, verify_mode="off",
+                      max_tokens=max_tokens, logits_processors=processors) for p in PROMPTS]
+    results, ids = [None] * 8, [None] * 8
+    api = client(port)
+
+    def one(i):
+        try:
+            answer(i)
+        except openai.APIError as e:
+            results[i] = ("error", f"{getattr(e, 'status_code', '')} {e}")
+
+    def answer(i):
+        kw = {"model": "default_model", "messages": PROMPTS[i], "max_tokens": max_tokens, "temperature": 0}
+        if extra:
+            kw["extra_body"] = {**extra, "logit_bias": {str(k): v for k, v in extra.get("logit_bias", {}).items()}}
+        if i % 2:
+            chunks = list(api.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            stats = chunks[-1].model_extra["dflash"]
+            results[i] = (text, chunks[-1].usage.completion_tokens, finish, stats["batch_size"])
+            ids[i] = chunks[0].id
+        else:
+            reply = api.chat.completions.create(**kw)
+            results[i] = (reply.choices[0].message.content, reply.usage.completion_tokens,
+                          reply.choices[0].finish_reason, reply.model_extra["dflash"]["batch_size"])
+            ids[i] = reply.id
+
+    with held_first(monkeypatch) as (gate, holding):
+        threads = [threading.Thread(target=one, args=(0,))]
+        threads[0].start()
+        assert holding.wait(TIMEOUT), "the first request never ran"
+        threads += [threading.Thread(target=one, args=(i,)) for i in range(1, 8)]
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: app.worker.jobs.qsize() == 7, "the other seven to queue")
+        gate.set()
+        for t in threads:
+            t.join(TIMEOUT)
+    return results, wants, ids, request(port, "GET", "/health")[2]
+
+
+def test_eight_concurrent_clients_are_batched_and_answer_as_one_alone(tiny_pair, tiny_dflash2, monkeypatch):
+    """Every reply equals the target's own greedy output of its prompt (the prompts' outputs all differ, so a
+    reply given to the wrong client shows), none lost or repeated, and the server decoded them together: the
+    first one moved from the speculative path into the batch, the others joined it."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    want = [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert len({w[0] for w in want}) == 8  # distinct answers: a swap or a duplicate cannot pass
+    assert [r[:3] for r in results] == want
+    assert len(set(ids)) == 8 and None not in ids
+    assert health["batch"]["max_size"] == 8 and health["batch"]["batched_steps"] > 0
+    assert all(r[3] >= 2 for r in results), results  # each was decoded in a batch
+    assert health["active"] == 0 and health["queued"] == 0
+
+
+def test_batched_requests_apply_their_logits_processors(tiny_pair, tiny_dflash2, monkeypatch):
+    """A repetition penalty and a logit bias: applied in the batch as mlx-lm applies them alone (the prompt and
+    the tokens generated so far as their context, speculative ones included)."""
+    extra = {"repetition_penalty": 1.5, "repetition_context_size": 8, "logit_bias": {204: -100.0, 180: 5.0}}
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch, extra=extra)
+        plain = [expected(app, chat_ids(app, p), 24).text for p in PROMPTS]
+    assert [r[:3] for r in results] == [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert health["batch"]["max_size"] == 8
+    assert sum(w.text != t for w, t in zip(wants, plain)) >= 6  # the processors changed the answers
+
+
+def test_negative_control_decode_concurrency_one_serves_one_at_a_time(tiny_pair, tiny_dflash2, monkeypatch):
+    """--decode-concurrency 1: the same answers, one request at a time, each alone: the batching checks fail."""
+    with running(tiny_pair[0], tiny_dflash2, "--decode-concurrency", 1) as (app, port):
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    assert [r[:3] for r in results] == [(w.text, len(w.tokens), w.finish_reason) for w in wants]
+    assert health["batch"]["max_size"] == 0 and all(r[3] == 0 for r in results)
+
+
+@pytest.mark.parametrize("victim, how", [(3, "cancelled"), (2, "timeout")])
+def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2, monkeypatch, victim, how):
+    """A request cancelled inside the batch (as the handler cancels one whose client left), or past its timeout,
+    stops at the next step with the others still decoding; they finish unchanged. The one past its timeout gets
+    the 504 it gets alone."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        ids_of, real, seen = chat_ids(app, PROMPTS[victim]), serve.Worker._record, []
+
+        def record(worker, e, token, finish):
+            if e.job.prompt == ids_of and e.generated >= 4 and not seen:
+                if how == "cancelled":
+                    e.job.cancelled.set()
+                else:
+                    e.job.deadline = time.monotonic()
+                seen.append(len(worker.active))
+            return real(worker, e, token, finish)
+
+        monkeypatch.setattr(serve.Worker, "_record", record)
+        results, wants, ids, health = eight_clients(app, port, monkeypatch)
+    assert seen == [8]  # stopped while all eight were active
+    assert results[victim][0] == "error"
+    if how == "timeout":
+        assert results[victim][1].startswith("504") and "ran past its timeout" in results[victim][1]
+    assert [r[:3] for i, r in enumerate(results) if i != victim] == \
+        [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != victim]
+    assert health["active"] == 0
+
+
+def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny_dflash2, monkeypatch):
+    """A long request (streamed) starts alone, speculatively; a short one queues behind it: both decode in the
+    batch; when the short one is done, the long one, alone with more than RESUME_MIN_TOKENS to go, leaves the
+    batch and finishes speculatively. Its text, streamed across the three phases, is the target's own greedy
+    output; so is the short one's."""
+    long_prompt, short_prompt = PROMPTS[1], PROMPTS[6]
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        want_long = expected(app, chat_ids(app, long_prompt), 48)
+        want_short = expected(app, chat_ids(app, short_prompt), 4)
+        assert want_long.finish_reason == "length"  # it runs its 48 tokens: long past the short one
+        api, got = client(port), {}
+        modes, real = [], serve.Worker._continued
+
+        def continued(worker, r, resumed, generated):
+            modes.append(r.verify_mode)
+            return real(worker, r, resumed, generated)
+
+        monkeypatch.setattr(serve.Worker, "_continued", continued)
+
+        def long_client():
+            chunks = list(api.chat.completions.create(model="default_model", messages=long_prompt, max_tokens=48,
+                                                      stream=True, stream_options={"include_usage": True}))
+            got["long"] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                           chunks[-1].usage.completion_tokens, chunks[-1].model_extra["dflash"])
+
+        with held_first(monkeypatch) as (gate, holding):
+            first = threading.Thread(target=long_client)
+            first.start()
+            assert holding.wait(TIMEOUT)
+            second = threading.Thread(target=lambda: got.update(short=api.chat.completions.create(
+                model="default_model", messages=short_prompt, max_tokens=4)))
+            second.start()
+            wait_for(lambda: app.worker.jobs.qsize() == 1, "the short request to queue")
+            gate.set()
+            first.join(TIMEOUT)
+            second.join(TIMEOUT)
+        health = request(port, "GET", "/health")[2]
+    text, n, stats = got["long"]
+    assert (text, n) == (want_long.text, 48)
+    assert got["short"].choices[0].message.content == want_short.text
+    assert stats["batch_size"] == 2 and health["batch"]["max_size"] == 2
+    # the resumed generation was speculative, and the answer's last record came from it
+    assert modes and set(modes) == {"dflash"} and stats["verify_mode"] == "dflash"
+    assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
+
+
+def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch) -> list[tuple[list[int], int]]:
+    """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
+    is held after one record, so that all of them are active at once."""
+    jobs = [serve.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
+    with held_first(monkeypatch) as (gate, holding):
+        worker.submit(jobs[0])
+        assert holding.wait(TIMEOUT)
+        for job in jobs[1:]:
+            worker.submit(job)
+        gate.set()
+        out = []
+        for job in jobs:
+            tokens = []
+            while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
+                tokens += event[1].tokens
+            assert event[:2] == ("end", "finished"), event
+            out.append((tokens, event[2]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_swa", "qwen3_5"])
+def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch):
+    """KV caches, sliding-window caches that wrap (window 8) and a hybrid target's GatedDeltaNet state: four
+    prompts batched (one moved in from the speculative path after a cycle), then their next turns batched from
+    the slots the first wave left; every answer is plain decoding's from scratch."""
+    from conftest import make_dflash2_drafter, make_hybrid, make_target
+
+    model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
+    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    kw = {"max_tokens": 20, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
+    alone = lambda p: generate(model, tokenizer, p, None, verify_mode="off", max_tokens=20,  # noqa: E731
+                               eos_token_ids=[]).tokens
+    try:
+        prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(4)]
+        first = worker_answers(worker, prompts, kw, monkeypatch)
+        assert [tokens for tokens, _ in first] == [alone(p) for p in prompts]
+        assert worker.batch_size_max == 4
+        turns = [p + tokens + [7, 8] for p, (tokens, _) in zip(prompts, first)]
+        second = worker_answers(worker, turns, kw, monkeypatch)
+        assert [tokens for tokens, _ in second] == [alone(p) for p in turns]
+        # each next turn found its conversation's slot: the batched ones the whole first turn (all but its last
+        # token, generated but never fed); the first, alone again and speculative, only what the drafter saw of
+        # it (the prompt and the first cycle, before it moved into the batch: the batch leaves no drafter context)
+        assert all(cached >= len(p) + 19 for (_, cached), p in zip(second[1:], prompts[1:])), second
+        assert len(prompts[0]) < second[0][1] < len(prompts[0]) + 19, second
+    finally:
+        assert worker.stop()
+
+
+def test_a_seeded_request_runs_alone_and_draws_as_alone(tiny_pair, tiny_dflash2, monkeypatch):
+    """A request with a seed (T > 0) queued behind a running one: nothing is batched (a shared batch's draws could
+    not be the seed's), it runs alone after the first, and its text is the one the same request gets on an
+    idle server."""
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        api = client(port)
+        seeded = {"model": "default_model", "messages": PROMPTS[2], "max_tokens": 16, "temperature": 0.9, "seed": 7}
+        got = {}
+        with held_first(monkeypatch) as (gate, holding):
+            first = threading.Thread(target=lambda: got.update(first=api.chat.completions.create(
+                model="default_model", messages=PROMPTS[0], max_tokens=16)))
+            first.start()
+            assert holding.wait(TIMEOUT)
+            second = threading.Thread(target=lambda: got.update(seeded=api.chat.completions.create(**seeded)))
+            second.start()
+            wait_for(lambda: app.worker.jobs.qsize() == 1, "the seeded request to queue")
+            gate.set()
+            first.join(TIMEOUT)
+            second.join(TIMEOUT)
+        alone = api.chat.completions.create(**seeded)
+        health = request(port, "GET", "/health")[2]
+    assert health["batch"]["max_size"] == 0
+    assert got["first"].model_extra["dflash"]["batch_size"] == got["seeded"].model_extra["dflash"]["batch_size"] == 0
+    assert got["seeded"].choices[0].message.content == alone.choices[0].message.content
+    assert got["first"].choices[0].message.content == expected(app, chat_ids(app, PROMPTS[0]), 16).text
