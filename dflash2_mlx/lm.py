@@ -37,13 +37,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm import utils as mlx_lm_utils
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 from mlx_lm.sample_utils import make_logits_processors  # the same processors: they run unchanged in every mode
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .assets import default_drafter
 from .drafter import DFlashDraftModel
 from .generate import GenerationResponse, encode_text
 from .generate import stream_generate as _stream_generate
+from .loading import bind_drafter, load_drafter, load_target
 from .prompt_cache import PromptCache as _PromptCache
 from .sampling import make_sampler
 
@@ -90,11 +93,6 @@ def load(
     SmolLM2-135M-Instruct), its bundled drafter. `generate` and
     `stream_generate` then speculate with it whenever they get this model. A `.gguf` path loads through this
     package's GGUF reader (llama and qwen2), which takes none of mlx-lm's model options."""
-    from mlx_lm import utils as mlx_lm_utils
-
-    from .assets import default_drafter
-    from .loading import bind_drafter, load_drafter, load_target
-
     config, from_env = None, draft_model is None and bool(os.environ.get(DRAFT_MODEL_ENV))
     if from_env:
         draft_model = os.environ[DRAFT_MODEL_ENV]
@@ -154,8 +152,6 @@ def _drafter(model: nn.Module, draft_model) -> DFlashDraftModel | None:
     if isinstance(draft_model, DFlashDraftModel):
         return draft_model
     if isinstance(draft_model, (str, Path)):
-        from .loading import load_drafter
-
         return load_drafter(str(draft_model))
     raise ValueError(
         f"draft_model is a {type(draft_model).__module__}.{type(draft_model).__name__}: this package speculates "

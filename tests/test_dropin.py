@@ -226,6 +226,33 @@ def test_our_make_sampler_speculates(tiny_pair, speculating):
     assert isinstance(text, str) and speculating
 
 
+def test_the_response_has_mlx_lms_fields_in_its_order_then_ours():
+    from dataclasses import fields
+
+    from mlx_lm.generate import GenerationResponse as Theirs
+
+    theirs = [f.name for f in fields(Theirs)]
+    ours = [f.name for f in fields(lm.GenerationResponse)]
+    assert ours[: len(theirs)] == theirs and len(ours) > len(theirs)
+
+
+def test_num_draft_tokens_and_the_progress_callback(tiny_pair):
+    """num_draft_tokens n drafts exactly n per cycle (dflash mode at block n + 1), as mlx-lm's draft model does; the
+    progress callback hears the prefill's start and end."""
+    model, tokenizer = lm.load(str(tiny_pair[0]), draft_model=str(tiny_pair[1]))
+    calls = []
+    responses = list(lm.stream_generate(model, tokenizer, [10, 11, 12], max_tokens=20, num_draft_tokens=3,
+                                        prompt_progress_callback=lambda done, total: calls.append((done, total))))
+    starts = {}  # cycle -> (tokens before it, mode, block size)
+    for r in responses[1:]:
+        starts.setdefault(r.cycle, (r.generation_tokens - 1, r.verify_mode, r.block_size))
+    # 3 drafts per cycle, fewer only where fewer tokens are left (mlx-lm: min(max_tokens - produced, n))
+    assert [(mode, B) for _, mode, B in starts.values()] == [("dflash", min(4, 20 - before + 1))
+                                                            for before, *_ in starts.values()]
+    assert len(starts) > 3 and sum(B == 4 for *_, B in starts.values()) > 2
+    assert calls == [(0, 3), (3, 3)]
+
+
 def test_what_cannot_be_honoured_is_refused(tiny_pair, tokenizer):
     model, _ = load_model(tiny_pair[0])
     cases = [
