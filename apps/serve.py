@@ -73,11 +73,11 @@ def stream_generate(model, tokenizer, prompt, drafter=None, *, logprobs: int | N
             if logprobs is not None and r.logprobs is not None and r.tokens:
                 rows = r.logprobs.astype(mx.float32)
                 chosen = mx.take_along_axis(rows, mx.array(r.tokens)[:, None], axis=-1)[:, 0]
-                top = mx.argpartition(-rows, kth=logprobs - 1, axis=-1)[:, :logprobs] if logprobs else None
-                values = mx.take_along_axis(rows, top, axis=-1) if logprobs else None
-                chosen = chosen.tolist()
-                ids, values = (top.tolist(), values.tolist()) if logprobs else ([[]] * len(chosen),) * 2
-                numbers = [(c, sorted(zip(i, v), key=lambda p: -p[1])) for c, i, v in zip(chosen, ids, values)]
+                top = mx.argpartition(-rows, kth=max(logprobs, 1) - 1, axis=-1)[:, :logprobs]
+                values = mx.take_along_axis(rows, top, axis=-1)
+                mx.eval(chosen, top, values)
+                numbers = [(c, sorted(zip(i, v), key=lambda p: -p[1]))
+                           for c, i, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
             yield Record(**{**{f.name: getattr(r, f.name) for f in fields(r)}, "logprobs": None},
                          token_logprobs=numbers)
     finally:

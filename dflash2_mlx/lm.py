@@ -215,7 +215,8 @@ def stream_generate(
     """mlx-lm's `stream_generate`: one `GenerationResponse` per token, as it yields them (the last with the finish
     reason; at EOS its token is the EOS token), speculatively with the model's DFlash drafter (`draft_model`, or
     the one `load` gave the model). kwargs: mlx-lm's `sampler`, `logits_processors`, `prompt_cache` (from this
-    module's `make_prompt_cache`), `prefill_step_size`, `prompt_progress_callback` (called before the prefill and
+    module's `make_prompt_cache`; a `dflash2_mlx.PromptCache` keeps its own use: each call passes the whole
+    conversation), `prefill_step_size`, `prompt_progress_callback` (called before the prefill and
     once it is done), `num_draft_tokens` (with a drafter: exactly that many drafts per cycle, verify mode
     "dflash"; without one it is ignored, as mlx-lm does), the KV-quantization settings while `kv_bits` is unset,
     and this package's own (module note). `max_tokens` -1 has no limit."""

@@ -351,6 +351,14 @@ def test_server_completion_logprobs_in_openais_shape(logprob_server):
                                                                        lp.top_logprobs))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(choice.text[o:].lstrip().startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    chunks = list(client(port).completions.create(model=app.model_id, prompt=prompt, max_tokens=12, logprobs=3,
+                                                  stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    streamed = [(t, v, o) for part in parts for t, v, o in zip(part.tokens, part.token_logprobs, part.text_offset)]
+    assert len(parts) > 1 and streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
+    bare = client(port).completions.create(model=app.model_id, prompt=prompt, max_tokens=12, logprobs=0)
+    lp0 = bare.choices[0].logprobs
+    assert lp0.tokens == lp.tokens and lp0.top_logprobs == [{t: v} for t, v in zip(lp0.tokens, lp0.token_logprobs)]
 
 
 def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server, monkeypatch):
