@@ -392,3 +392,18 @@ def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server
         assert [t.token for t in c.top_logprobs] == [app.tokenizer.decode([int(i)]) for i in best]
         assert np.allclose([t.logprob for t in c.top_logprobs], row[best], atol=1e-6)
     assert answer.choices[0].finish_reason == "stop"
+
+
+def test_the_default_pair_through_the_drop_in(smollm2_path, speculating):
+    """`load(None)`: the default target with its bundled drafter, remembered for the model; greedy text with mlx-lm's
+    processors equal to mlx-lm's own stream_generate on that model, from the speculative loop."""
+    model, tokenizer = lm.load(None)
+    assert lm.drafter_for(model) is not None
+    procs = make_logits_processors(repetition_penalty=1.2)
+    prompt = tokenizer.apply_chat_template(user("Name three colors."), add_generation_prompt=True)
+    ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, logits_processors=procs,
+                                   verify_mode="dflash"))
+    theirs = mlx_lm_responses(model, tokenizer, prompt, max_tokens=24, logits_processors=procs)
+    assert [(r.token, r.text) for r in ours] == [(r.token, r.text) for r in theirs]
+    np.testing.assert_allclose(logprob_rows(ours), logprob_rows(theirs), atol=1e-4, rtol=0)
+    assert speculating and any(r.from_draft for r in ours)
