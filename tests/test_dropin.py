@@ -217,6 +217,27 @@ def test_a_foreign_sampler_warns_and_still_matches_mlx_lm(tiny_pair, tmp_path, c
     assert not speculating
 
 
+@pytest.mark.parametrize("args", [dict(temp=0.7), dict(temp=1.0, top_p=0.9), dict(temp=0.9, top_p=0.0, top_k=0),
+                                  dict(temp=0.8, min_p=0.5, min_tokens_to_keep=4), dict(temp=1.2, top_k=5),
+                                  dict(temp=0.0, top_p=0.5)])
+def test_make_sampler_is_mlx_lms_and_its_parameters_say_what_it_draws(args):
+    """Calling it is calling mlx-lm's make_sampler(**args); and the parameters it carries draw the very same tokens
+    for the same random state (rows where every filter bites), so speculation tests drafts against its law."""
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    from dflash2_mlx.sampling import sample
+
+    logits = mx.random.normal((3000, 50), key=mx.random.key(1)) * 2.0
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ours = lm.make_sampler(**args)
+    draws = []
+    for draw in (ours, mlx_lm_make_sampler(**args), lambda _: sample(logits, ours.params)):
+        mx.random.seed(0)
+        draws.append(np.array(draw(logprobs)))
+    assert (draws[0] == draws[1]).all() and (draws[2] == draws[1]).all()
+    assert len(set(draws[1].tolist())) > (1 if args["temp"] == 0 else 4)
+
+
 def test_our_make_sampler_speculates(tiny_pair, speculating):
     """dflash2_mlx.lm.make_sampler's sampler carries its parameters: no warning, the speculative loop runs."""
     model, tokenizer = lm.load(str(tiny_pair[0]), draft_model=str(tiny_pair[1]))
