@@ -108,6 +108,26 @@ def test_logprobs_are_the_processed_rows_in_every_mode(tokenizer, mode, monkeypa
     assert (sum(r.from_draft for r in ours) > 5) == (mode != "off")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_per_token_responses_on_llama_and_the_hybrid(tokenizer, arch):
+    """The per-token comparison on the llama fixture and the hybrid (GatedDeltaNet) one, whose rejected drafts
+    are undone by rebuilding recurrent state: tokens and logprobs are mlx-lm's, from_draft the oracle's."""
+    from conftest import make_hybrid
+
+    model = make_hybrid(arch, seed=3) if arch == "qwen3_5" else make_target(arch, seed=3)
+    prompt = prompts(1, seed=13)[0]
+    oracle = CountingOracle(drafter_config(model, block_size=8), model, prompt, spoil_seed=7)
+    bind_drafter(oracle, model)
+    no_eos = without_eos(tokenizer)
+    ours = list(lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash",
+                                   block_size=5))
+    theirs = mlx_lm_responses(model, no_eos, prompt)
+    assert [r.token for r in ours] == [r.token for r in theirs]
+    np.testing.assert_allclose(logprob_rows(ours), logprob_rows(theirs), atol=1e-4, rtol=0)
+    expected = ([False] + [d for right in oracle.right for d in [True] * right + [False]])[:N]
+    assert [r.from_draft for r in ours] == expected and sum(expected) > 5
+
+
 def test_eos_ends_as_mlx_lms_does(tokenizer):
     """At EOS the last response's token is the EOS, with no text of its own and finish_reason "stop", as mlx-lm's."""
     model = make_target("qwen3", seed=2)
