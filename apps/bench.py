@@ -30,7 +30,7 @@ from dflash2_apps.common import KERNELS_HELP
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
 from dflash2_apps.tree_sim import tree_sim
-from dflash2_mlx import stream_generate
+from dflash2_mlx import stream_cycles
 from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.decode import dflash_steps
@@ -91,8 +91,8 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
     mode = "off" if method.kind == "plain" else method.kind
     tree = {"tree_budget": method.tree_budget} if mode == "ddtree" else {}
     tic = time.perf_counter()
-    for last in stream_generate(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
-                                block_size=method.block_size, verify_mode=mode, walk=method.walk, **tree):
+    for last in stream_cycles(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
+                              block_size=method.block_size, verify_mode=mode, walk=method.walk, **tree):
         tokens += last.tokens
         if last.accepted is not None:
             accepted.append(last.accepted)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from dflash2_apps import common
-from dflash2_mlx import PromptCache, stream_generate
+from dflash2_mlx import PromptCache, stream_cycles
 from dflash2_mlx.generate import summarize
 from dflash2_mlx.target import Target
 
@@ -20,7 +21,7 @@ HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
 
 def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool,
          read=input, out=None, err=None) -> list[dict]:
-    """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_generate`'s; `reuse`
+    """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_cycles`'; `reuse`
     keeps the conversation's caches from turn to turn (a `PromptCache`). `out`, `err`: default the streams
     `sys` has when the chat starts (not when this module was imported)."""
     out, err = out or sys.stdout, err or sys.stderr
@@ -42,11 +43,11 @@ def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reu
         messages.append({"role": "user", "content": query})
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         records, tic, ttft = [], time.perf_counter(), None
-        turn = stream_generate(model, tokenizer, prompt, drafter, prompt_cache=cache, **kwargs)
+        turn = stream_cycles(model, tokenizer, prompt, drafter, prompt_cache=cache, **kwargs)
         try:
             for r in turn:
                 ttft = ttft if ttft is not None else time.perf_counter() - tic
-                records.append(r)
+                records.append(replace(r, logprobs=None))  # the token rows are not needed
                 print(r.text, end="", flush=True, file=out)
         except KeyboardInterrupt:  # ends the turn, not the chat; what was said so far stays
             print(" [interrupted]", end="", file=out)

@@ -10,7 +10,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from dflash2_mlx import load
 from dflash2_mlx.assets import default_drafter
-from dflash2_mlx.generate import VERIFY_MODES, stream_generate
+from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.settings import from_omlx
 
@@ -70,8 +70,8 @@ def add_model_args(p) -> None:
 
 
 def generation_defaults() -> dict:
-    """`stream_generate`'s own keyword defaults: what a flag left unset means."""
-    return {k: p.default for k, p in signature(stream_generate).parameters.items() if p.default is not p.empty}
+    """`stream_cycles`' own keyword defaults: what a flag left unset means."""
+    return {k: p.default for k, p in signature(stream_cycles).parameters.items() if p.default is not p.empty}
 
 
 def add_sampling_args(p) -> None:
@@ -171,7 +171,7 @@ def load_pair(args):
 
 
 def generation_kwargs(args, vocab_size: int | None = None) -> dict:
-    """`stream_generate`'s keyword arguments from the model and sampling flags (its own default where unset), and
+    """`stream_cycles`' keyword arguments from the model and sampling flags (its own default where unset), and
     the logits processors of `add_processor_args`' flags, if the command has them (`vocab_size`: the target's)."""
     given = dict(
         max_tokens=args.max_tokens,
@@ -202,7 +202,7 @@ def add_draft_vocab_args(p) -> None:
 
 
 def summary(r) -> str:
-    """One line on a generation (a `GenerationResponse`): what `generate` and `chat` print on stderr."""
+    """One line on a generation (a `GenerationResult`): what `generate` and `chat` print on stderr."""
     mode = {"dflash": f"dflash B={r.block_size}", "adaptive": f"adaptive B<={r.block_size}",
             "ddtree": f"ddtree B<={r.block_size} budget {r.tree_budget}"}.get(r.verify_mode, "plain")
     parts = [

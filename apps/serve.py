@@ -1,9 +1,10 @@
-"""`dflash2 serve`: an OpenAI-compatible HTTP server over `stream_generate`.
+"""`dflash2 serve`: an OpenAI-compatible HTTP server over `stream_cycles`.
 
 POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`), GET /v1/models and
 GET /health. Request fields are OpenAI's and mlx_lm.server's; every response carries `usage` and a `dflash`
 object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
-`X-DFlash-*` headers, so a fallback to plain decoding is visible.
+`X-DFlash-*` headers, so a fallback to plain decoding is visible. `logprobs` come in OpenAI's shapes (chat:
+`logprobs` true and `top_logprobs` N; completions: `logprobs` N), streamed with the text too.
 
 One worker thread owns the model: a lone request decodes speculatively, concurrent ones together in mlx-lm's
 `BatchGenerator` (`Worker`), each starting from the cached sequence sharing the longest prefix with it
@@ -27,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
@@ -38,10 +39,10 @@ from mlx_lm.server import ToolCallFormatter
 from mlx_lm.utils import _parse_size as parse_size
 
 from dflash2_apps import common
-from dflash2_mlx import PromptCache, PromptCaches, stream_generate
+from dflash2_mlx import PromptCache, PromptCaches
 from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
-from dflash2_mlx.generate import GenerationResponse, encode_text, resolve_block_size, summarize
+from dflash2_mlx.generate import CycleResponse, encode_text, resolve_block_size, stream_cycles, summarize
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
@@ -54,6 +55,42 @@ GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
 RESUME_MIN_TOKENS = 16  # a request left alone in the batch goes on speculatively if it has this many tokens to go
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass
+class Record(CycleResponse):
+    """A cycle's record as the worker relays it: its lazy `logprobs` rows dropped (a request's records would
+    otherwise keep [tokens, V] alive), and, where the request asked for logprobs, their numbers read on the
+    worker's thread: per token (its logprob, the top (token id, logprob) pairs, best first)."""
+
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+def token_logprobs(rows: mx.array, tokens: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per token: its log-probability in its row of `rows` ([len(tokens), V]) and the `n` best (token id,
+    log-probability) pairs of that row, best first; one host read."""
+    rows = rows.astype(mx.float32)
+    chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = mx.argpartition(-rows, kth=max(n, 1) - 1, axis=-1)[:, :n]
+    values = mx.take_along_axis(rows, top, axis=-1)
+    mx.eval(chosen, top, values)
+    return [(c, sorted(zip(i, v), key=lambda p: -p[1])) for c, i, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
+
+
+def stream_generate(model, tokenizer, prompt, drafter=None, *, logprobs: int | None = None, **kwargs):
+    """The worker's generation: `stream_cycles`' records as `Record`s; `logprobs` N (None: none) reads each
+    token's log-probability and the N best of its row, one host read per cycle, only for requests that ask."""
+    records = stream_cycles(model, tokenizer, prompt, drafter, **kwargs)
+    try:
+        for r in records:
+            numbers = None
+            if logprobs is not None and r.logprobs is not None and r.tokens:
+                numbers = token_logprobs(r.logprobs, r.tokens, logprobs)
+            yield Record(**{**{f.name: getattr(r, f.name) for f in fields(r)}, "logprobs": None},
+                         token_logprobs=numbers)
+    finally:
+        records.close()
 
 
 class ApiError(Exception):
@@ -123,7 +160,7 @@ class Worker:
     the batch cannot take (a seeded request, whose draws a shared batch cannot reproduce, or any request on a
     target whose caches cannot be batched) waits for the batch to drain, later requests behind it.
 
-    Events a job gets: ("record", GenerationResponse) ..., then ("end", reason, cached prompt tokens) with
+    Events a job gets: ("record", Record) ..., then ("end", reason, cached prompt tokens) with
     reason "finished", "cancelled" or "timeout", or ("error", exc)."""
 
     def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool, prompt_cache_size: int = 10,
@@ -289,7 +326,7 @@ class Worker:
         self._keep(slot)
         return job, cache, covered, rest, generated, cached
 
-    def _continued(self, r: GenerationResponse, resumed: Batched, generated: int) -> GenerationResponse:
+    def _continued(self, r: Record, resumed: Batched, generated: int) -> Record:
         """A record of a generation resumed after a batch, as the whole request's: its text decoded after the
         tokens sent before (the resumed generation's own detokenizer starts blank), its counts from the start."""
         d = resumed.detokenizer
@@ -321,7 +358,7 @@ class Worker:
                 for r in responses:
                     e = entries[r.uid]
                     e.job.batch_size = max(e.job.batch_size, len(responses))
-                    e.job.events.put(("record", self._record(e, r.token, r.finish_reason)))
+                    e.job.events.put(("record", self._record(e, r.token, r.logprobs, r.finish_reason)))
                     if r.finish_reason:
                         del entries[r.uid]
                         self._keep(PromptCache.of_target(self.model, r.all_tokens, r.prompt_cache))
@@ -400,8 +437,9 @@ class Worker:
         _ = detokenizer.last_segment
         entries[uid] = Batched(job, detokenizer, generated, cached, len(rest), time.perf_counter())
 
-    def _record(self, e: Batched, token: int, finish: str | None) -> GenerationResponse:
-        """The record of one batched step, as `stream_generate` gives one (EOS is never rendered)."""
+    def _record(self, e: Batched, token: int, logprobs: mx.array, finish: str | None) -> Record:
+        """The record of one batched step, as `stream_generate` gives one (EOS is never rendered); `logprobs`:
+        the row the batch chose `token` from (mlx-lm's, processed and log-softmaxed)."""
         if finish != "stop":
             e.detokenizer.add_token(token)
         if finish:
@@ -410,10 +448,12 @@ class Worker:
         if not e.prompt_tps:
             e.prompt_tps, e.tic = e.prefill / max(now - e.tic, 1e-9), now
         e.generated += 1
-        return GenerationResponse(
+        n = e.job.kwargs.get("logprobs")
+        return Record(
             text=e.detokenizer.last_segment, tokens=[token], accepted=None, prompt_tokens=len(e.job.prompt),
             prompt_tps=e.prompt_tps, generation_tokens=e.generated, generation_tps=e.generated / max(now - e.tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, verify_mode="off")
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, verify_mode="off",
+            token_logprobs=None if n is None else token_logprobs(logprobs[None], [token], n))
 
 
 class StopText:
@@ -566,6 +606,62 @@ def _template_tool_call(i: int, call) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
+def _logprobs(kind: str, body: dict) -> int | None:
+    """How many top tokens each generated token's logprobs list (0: its own logprob only), None for none. Chat:
+    OpenAI's `logprobs` (true or false) and `top_logprobs` (0..20, with logprobs true); completions: `logprobs` N
+    (0..20; true, as mlx_lm.server takes it, is `top_logprobs` or 0)."""
+    top = _field(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                 expect=f"an integer in 0..{MAX_TOP_LOGPROBS}")
+    if kind == "chat":
+        wanted = _field(body, "logprobs", bool, False, expect="true or false")
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    wanted = _field(body, "logprobs", (bool, int), None, expect=f"an integer in 0..{MAX_TOP_LOGPROBS}")
+    if isinstance(wanted, bool):
+        return (top or 0) if wanted else None
+    if wanted is not None and not 0 <= wanted <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be an integer in 0..{MAX_TOP_LOGPROBS}, got {wanted}", param="logprobs")
+    return wanted
+
+
+class Logprobs:
+    """A request's per-token logprobs (`Record.token_logprobs`) in OpenAI's shapes: chat `{"content": [{token,
+    logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`, completions `{tokens, token_logprobs,
+    top_logprobs: [{token: logprob}], text_offset}`. A token is its own decoded text; the EOS that stops a
+    generation adds no text and is not listed. `take` hands over the tokens gathered since the last call (a
+    streamed chunk carries those of the records it relays); text_offset is where the generated text stood
+    (as the tokenizer's streaming detokenizer had rendered it) when each token came."""
+
+    def __init__(self, tokenizer, kind: str):
+        self.tokenizer, self.kind, self.detokenizer, self.pending = tokenizer, kind, tokenizer.detokenizer, []
+
+    def add(self, record) -> None:
+        numbers = getattr(record, "token_logprobs", None)
+        if numbers is None:
+            return
+        tokens = record.tokens[:-1] if record.finish_reason == "stop" else record.tokens
+        for token, (logprob, top) in zip(tokens, numbers):
+            self.pending.append((token, logprob, top, len(self.detokenizer.text)))
+            self.detokenizer.add_token(token)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def take(self) -> dict:
+        entries, self.pending = self.pending, []
+        if self.kind == "chat":
+            def item(token, logprob):
+                text = self._piece(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                                for t, lp, top, _ in entries]}
+        return {"tokens": [self._piece(t) for t, *_ in entries], "token_logprobs": [lp for _, lp, *_ in entries],
+                "top_logprobs": [{**{self._piece(i): v for i, v in top}, self._piece(t): lp}
+                                 for t, lp, top, _ in entries],
+                "text_offset": [offset for *_, offset in entries]}
+
+
 def warm_start(model, drafter, defaults: dict) -> dict:
     """`stream_generate`'s keyword arguments that spare every request the measurement of this machine's cycle
     costs: adaptive mode's cost model, or ddtree's tree budget when --tree-budget is unset, loaded from the cache
@@ -595,6 +691,7 @@ class Request:
     stop: list[str]
     model: str = ""  # the served name the request used, echoed in the answer
     tools: list | None = None  # chat requests with tools: the answer's tool calls are parsed out of its text
+    logprobs: int | None = None  # per-token logprobs with this many top tokens each; None: no logprobs
 
 
 class App:
@@ -632,9 +729,10 @@ class App:
         include_usage = _field(options, "include_usage", bool, False, expect="true or false")
         if _field(body, "n", int, 1, expect="an integer") != 1:
             raise ApiError(400, "'n' must be 1: this server generates one choice per request", param="n")
-        if _field(body, "logprobs", (bool, int), False, expect="true or false"):
-            raise ApiError(400, "'logprobs' is not supported by this server: leave it unset", param="logprobs")
+        logprobs = _logprobs(kind, body)
         kwargs = dict(self.defaults)
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
         limit = None
         for name in ("max_tokens", "max_completion_tokens"):
             limit = _field(body, name, int, limit, lambda v: v >= 1, expect="an integer >= 1")
@@ -668,7 +766,7 @@ class App:
         if limit is None:
             limit = kwargs["max_tokens"] if context is None else min(kwargs["max_tokens"], context - n)
         kwargs["max_tokens"] = limit
-        return Request(kind, prompt, kwargs, stream, include_usage, stop, model, tools)
+        return Request(kind, prompt, kwargs, stream, include_usage, stop, model, tools, logprobs)
 
     def _processors(self, body: dict) -> list:
         """mlx-lm's logits processors from the request's `repetition_penalty`, `repetition_context_size` and
@@ -847,7 +945,14 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": rid, "object": kind, "created": int(time.time()), "model": request.model or self.app.model_id}
 
     def _choice(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False,
-                calls: list | None = None) -> dict:
+                calls: list | None = None, logprobs: Logprobs | None = None) -> dict:
+        choice = self._choice_body(request, text, finish, chunk, first, calls)
+        if logprobs is not None:
+            choice["logprobs"] = logprobs.take()
+        return choice
+
+    def _choice_body(self, request: Request, text: str | None, finish: str | None, chunk: bool, first=False,
+                     calls: list | None = None) -> dict:
         if request.kind == "text":
             return {"index": 0, "text": text or "", "finish_reason": finish}
         if chunk:
@@ -873,8 +978,9 @@ class Handler(BaseHTTPRequestHandler):
         """finish_reason "tool_calls" for a generation that stopped (EOS or a stop string) after a call."""
         return "tool_calls" if finish == "stop" and tools is not None and tools.made else finish
 
-    def _run(self, request: Request, job: Job, on_text):
-        """Relay the job's text to `on_text` (cut at stop strings); returns (finish reason, records, cached)."""
+    def _run(self, request: Request, job: Job, on_text, logprobs: Logprobs | None = None):
+        """Relay the job's text to `on_text` (cut at stop strings), its tokens' logprobs to `logprobs`; returns
+        (finish reason, records, cached)."""
         stops, records, finish = StopText(request.stop), [], None
         for event in self._events(job):
             if event[0] == "error":
@@ -889,10 +995,12 @@ class Handler(BaseHTTPRequestHandler):
                 if event[1] == "cancelled" and finish is None:  # neither a stop string nor this client: shutdown
                     raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
                 return finish, records, event[2]
-            record: GenerationResponse = event[1]
+            record: CycleResponse = event[1]
             if finish == "stop" and job.cancelled.is_set():
                 continue  # generated past a stop string before the worker saw the cancel: not part of the answer
             records.append(record)
+            if logprobs is not None:
+                logprobs.add(record)
             text, stopped = stops.feed(record.text)
             if record.finish_reason and not stopped:
                 text += stops.flush()
@@ -920,9 +1028,13 @@ class Handler(BaseHTTPRequestHandler):
                  "batch_size": batch_size}
         return usage, stats
 
+    def _logprobs(self, request: Request) -> Logprobs | None:
+        return Logprobs(self.app.tokenizer, request.kind) if request.logprobs is not None else None
+
     def _complete(self, request: Request, job: Job) -> None:
         parts, calls = [], []
         tools = self._tool_calls(request, False, self.app.tokenizer)
+        logprobs = self._logprobs(request)
 
         def on_text(text: str) -> None:
             if tools is not None:
@@ -930,13 +1042,14 @@ class Handler(BaseHTTPRequestHandler):
                 calls.extend(done)
             parts.append(text)
 
-        finish, records, cached = self._run(request, job, on_text)
+        finish, records, cached = self._run(request, job, on_text, logprobs)
         if tools is not None:
             text, done = tools.finish()
             parts.append(text)
             calls.extend(done)
         usage, stats = self._usage_and_stats(records, cached, job.batch_size)
-        choice = self._choice(request, "".join(parts), self._finish(finish, tools), False, calls=calls)
+        choice = self._choice(request, "".join(parts), self._finish(finish, tools), False, calls=calls,
+                              logprobs=logprobs)
         body = {**self._base(request, f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{uuid.uuid4()}", False),
                 "choices": [choice], "usage": usage, "dflash": stats}
         headers = {"X-DFlash-Verify-Mode": stats.get("verify_mode"), "X-DFlash-Cycles": stats.get("cycles"),
@@ -960,6 +1073,7 @@ class Handler(BaseHTTPRequestHandler):
 
         first = [True]
         tools = self._tool_calls(request, True, self.app.tokenizer)
+        logprobs = self._logprobs(request)
 
         def on_text(text: str) -> None:
             calls = []
@@ -967,11 +1081,11 @@ class Handler(BaseHTTPRequestHandler):
                 text, calls = tools.feed(text)
             if text or calls or first[0]:
                 send({**self._base(request, rid, True),
-                      "choices": [self._choice(request, text, None, True, first[0], calls)]})
+                      "choices": [self._choice(request, text, None, True, first[0], calls, logprobs)]})
                 first[0] = False
 
         try:
-            finish, records, cached = self._run(request, job, on_text)
+            finish, records, cached = self._run(request, job, on_text, logprobs)
         except ApiError as e:
             if not started:
                 raise
@@ -981,7 +1095,8 @@ class Handler(BaseHTTPRequestHandler):
         usage, stats = self._usage_and_stats(records, cached, job.batch_size)
         text, calls = tools.finish() if tools is not None else (None, [])
         send({**self._base(request, rid, True),
-              "choices": [self._choice(request, text, self._finish(finish, tools), True, first[0], calls)],
+              "choices": [self._choice(request, text, self._finish(finish, tools), True, first[0], calls,
+                                       logprobs)],
               "dflash": stats})
         if request.include_usage:
             send({**self._base(request, rid, True), "choices": [], "usage": usage, "dflash": stats})

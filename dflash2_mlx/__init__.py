@@ -2,15 +2,16 @@
 
 from .formats.config import DraftConfig
 from .drafter import DFlashDraftModel
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate
+from .generate import CycleResponse, GenerationResponse, GenerationResult, generate, stream_cycles, stream_generate
 from .loading import load, load_drafter
 from .prompt_cache import PromptCache, PromptCaches
-from .sampling import SamplingParams
+from .sampling import SamplingParams, make_sampler
 from .target import Target
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CycleResponse",
     "DFlashDraftModel",
     "DraftConfig",
     "GenerationResponse",
@@ -22,5 +23,7 @@ __all__ = [
     "generate",
     "load",
     "load_drafter",
+    "make_sampler",
+    "stream_cycles",
     "stream_generate",
 ]

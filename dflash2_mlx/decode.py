@@ -5,6 +5,10 @@ Both yield a `Step` per decode step and never stop on their own: the caller (`ge
 cuts at EOS and `max_tokens`. Passing `max_tokens` lets the last cycle shrink its block instead of
 drafting tokens that could never be committed. `logits_processors` (mlx-lm's) process every row a token is
 chosen from, verify rows included (`sampling.Processing`); without them the loops run exactly as before.
+
+Every `Step` carries the log-probabilities its tokens were chosen from (`Step.logprobs`, the processed rows
+log-softmaxed as mlx-lm's `generate_step` computes them): lazy MLX arrays, computed only if a caller reads
+them, so the loops keep their one host read per step or cycle.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import numpy as np
 from .adaptive import AdaptiveBlocks, FixedBlocks
 from .drafter import DFlashDraftModel
 from .prompt_cache import PromptCache
-from .sampling import LogitsProcessor, Processing, SamplingParams, accept, draft_acceptance, processing, sample
+from .sampling import (LogitsProcessor, Processing, Sampler, SamplingParams, accept, draft_acceptance, log_softmax,
+                       processing, sample)
 from .target import Capture, Target
 from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
                    process_tree_rows, tree_attention)
@@ -39,26 +44,32 @@ class Step(NamedTuple):
     # the last step of an adaptive plain run: its shadow probe's P(drafts 1..i accepted), i = 1.. (its drafts
     # scored by the run's tokens, `sampling.draft_acceptance`)
     shadow: list[float] | None = None
+    # [len(tokens), V]: row i the log-probabilities tokens[i] was chosen from (the processed target row,
+    # log-softmaxed; mlx-lm's `logprobs`), lazy: nothing is computed unless a caller evaluates it
+    logprobs: mx.array | None = None
 
 
 def plain_steps(
     target: Target, prompt: mx.array, params: SamplingParams, prefill_step_size: int = 2048,
     prompt_cache: PromptCache | None = None, logits_processors: list[LogitsProcessor] | None = None,
+    sampler: Sampler | None = None,
 ) -> Iterator[Step]:
-    """One target forward per token; the next token is computed while the caller reads this one."""
+    """One target forward per token; the next token is computed while the caller reads this one.
+    `sampler`: a sampler callable used instead of `params` (mlx-lm's convention: it takes the row's
+    log-probabilities [1, V] and returns the token [1]), exactly as mlx-lm's `generate_step` calls it."""
     state = prompt_cache if prompt_cache is not None else PromptCache()
     procs = processing(logits_processors, prompt)
     with state.filling():
         cache, _, _, rest = state.start(target, None, prompt)
         logits = target.prefill(rest, cache, prefill_step_size)
-        token, clear_at = _choose(logits, params, procs), 1
+        (token, row), clear_at = _choose(logits, params, procs, sampler), 1
         for produced in itertools.count(1):
             logits = target(token.reshape(1), cache)
-            next_token = _choose(logits[-1], params, procs)
+            next_token, next_row = _choose(logits[-1], params, procs, sampler)
             mx.async_eval(next_token)
-            yield state.commit(Step([token.item()]), [])
+            yield state.commit(Step([token.item()], logprobs=log_softmax(row)[None]), [])
             clear_at = _free_buffers(produced, clear_at)
-            token = next_token
+            token, row = next_token, next_row
 
 
 def dflash_steps(
@@ -82,8 +93,8 @@ def dflash_steps(
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
-        anchor = _choose(logits, params, procs)
-        yield state.commit(Step([anchor.item()]), [context])
+        anchor, row = _choose(logits, params, procs)
+        yield state.commit(Step([anchor.item()], logprobs=log_softmax(row)[None]), [context])
         produced, tic, clear_at = 1, time.perf_counter(), 1
         while True:
             clear_at = _free_buffers(produced, clear_at)
@@ -129,7 +140,8 @@ def dflash_steps(
             anchor = mx.array(bonus_id, dtype=anchor.dtype)
             produced += a + 1
             blocks.observe_cycle(B, a, time.perf_counter() - tic)
-            yield state.commit(Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B), [context])
+            yield state.commit(Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B,
+                                    logprobs=log_softmax(rows[: a + 1])), [context])
             tic = time.perf_counter()
 
 
@@ -156,8 +168,9 @@ def tree_steps(
         check_cache(cache)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
-        anchor = _choose(logits, params, procs).item()
-        yield state.commit(Step([anchor]), [context])
+        anchor, row = _choose(logits, params, procs)
+        anchor = anchor.item()
+        yield state.commit(Step([anchor], logprobs=log_softmax(row)[None]), [context])
         produced, blocks, clear_at = 1, FixedBlocks(block_size), 1
         while True:
             clear_at = _free_buffers(produced, clear_at)
@@ -182,8 +195,8 @@ def tree_steps(
             tap.rollback(cache, verified, len(path))
             context = verified.features[mx.array(path)]
             produced += len(path)
-            yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B),
-                               [context])
+            yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B,
+                                    logprobs=log_softmax(rows[mx.array(path)])), [context])
 
 
 def _free_buffers(produced: int, clear_at: int) -> int:
@@ -199,13 +212,15 @@ def _block(anchor: mx.array, B: int, mask_id: int) -> mx.array:
     return mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])[None]
 
 
-def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None) -> mx.array:
-    """The next token from `logits` [V], processed first if there are processors (then committed to them)."""
-    if procs is None:
-        return sample(logits, params)
-    token = sample(procs.row(logits), params)
-    procs.commit(token)
-    return token
+def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None,
+            sampler: Sampler | None = None) -> tuple[mx.array, mx.array]:
+    """(the next token, the row [V] it is drawn from) from `logits` [V], processed first if there are processors
+    (the token then committed to them); drawn by `sampler` from the row's log-probabilities if one is given."""
+    row = logits if procs is None else procs.row(logits)
+    token = sample(row, params) if sampler is None else sampler(log_softmax(row)[None]).reshape(())
+    if procs is not None:
+        procs.commit(token)
+    return token, row
 
 
 def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features,
@@ -213,17 +228,14 @@ def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingPara
     """n plain steps inside a speculative generation, pipelined as `plain_steps` is: yields (step, the next
     anchor) and hands each fed token's features to `keep_features`, for the drafter's next context, and the
     logits the next token is drawn from (processed, with processors) to `keep_logits`."""
-    token = anchor
+    token, row = anchor, None
     for i in range(n + 1):
         if i < n:  # the next step is scheduled before this one's token is read
             logits, features = tap.forward(token.reshape(1), cache)
-            row = logits[-1] if procs is None else procs.row(logits[-1])
+            next_token, next_row = _choose(logits[-1], params, procs)
             keep_features(features)
-            keep_logits(row)
-            next_token = sample(row, params)
-            if procs is not None:
-                procs.commit(next_token)
+            keep_logits(next_row)
             mx.async_eval(next_token, features)
         if i > 0:
-            yield Step([token.item()], block_size=1), token
-        token = next_token
+            yield Step([token.item()], block_size=1, logprobs=log_softmax(row)[None]), token
+        token, row = next_token, next_row

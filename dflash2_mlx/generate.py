@@ -1,12 +1,16 @@
-"""The public generation API, shaped like mlx-lm's: `stream_generate` yields one small record per
-decode step (a DFlash cycle commits several tokens at once); `generate` runs it to the end."""
+"""The public generation API, shaped like mlx-lm's: `stream_generate` yields one `GenerationResponse` per token,
+with mlx-lm's fields (text, token, logprobs, from_draft, ...) and the fields of the cycle that committed it;
+`stream_cycles` yields one `CycleResponse` per decode step (a DFlash cycle commits several tokens at once), what
+the bench, the JSON output and the server read; `generate` runs it to the end and `summarize`s it.
+
+`dflash2_mlx.lm` wraps these in mlx-lm's own signatures and return types (a drop-in for `mlx_lm`)."""
 
 from __future__ import annotations
 
 import time
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -19,7 +23,7 @@ from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
 from .prompt_cache import PromptCache
-from .sampling import LogitsProcessor, SamplingParams
+from .sampling import LogitsProcessor, Sampler, SamplingParams, sampler_params
 from .target import Target
 from .tree import TREE_BUDGET_MAX, default_budget
 
@@ -27,8 +31,10 @@ VERIFY_MODES = ("adaptive", "dflash", "ddtree", "off")
 
 
 @dataclass
-class GenerationResponse:
-    text: str  # text decoded from this step's tokens (EOS is never rendered)
+class CycleResponse:
+    """What `stream_cycles` yields per decode step: a DFlash cycle, the prefill token, or a plain step."""
+
+    text: str  # text decoded from this step's tokens (EOS is never rendered); "" with detokenize=False
     tokens: list[int]  # tokens committed by this step, EOS included when it stopped generation
     accepted: int | None  # drafts accepted in this cycle; None for the prefill token and plain decoding
     prompt_tokens: int
@@ -44,6 +50,33 @@ class GenerationResponse:
     # adaptive mode, the last step of a plain run: P(drafts 1..i accepted) for the drafts of its shadow probe,
     # scored by the run's own tokens (at T > 0 an estimate; see `sampling.draft_acceptance`)
     shadow: list[float] | None = None
+    # [len(tokens), V]: the log-probabilities each token was chosen from (the target's processed row,
+    # log-softmaxed: mlx-lm's `logprobs`), a lazy MLX array: computed only when read
+    logprobs: mx.array | None = None
+
+
+@dataclass
+class GenerationResponse:
+    """What `stream_generate` yields per token: mlx-lm's `GenerationResponse` fields, in its order and meaning,
+    then those of the cycle that committed the token (`CycleResponse`), repeated on each of its tokens."""
+
+    text: str  # the next segment of decoded text (may be empty)
+    token: int
+    logprobs: mx.array  # [V], the log-probabilities `token` was chosen from (lazy until read)
+    from_draft: bool  # an accepted draft (False: the cycle's bonus token, the prefill token, a plain step)
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # tokens generated so far, this one included
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # "stop" (EOS: `token` is the EOS token), "length" or None
+    accepted: int | None = None  # drafts its cycle accepted; None for the prefill token and plain decoding
+    block_size: int | None = None
+    verify_mode: str = "adaptive"
+    draft_failed: bool = False
+    tree_budget: int | None = None
+    shadow: list[float] | None = None
+    cycle: int = 0  # which step of the generation committed it (0: the prefill token)
 
 
 @dataclass
@@ -117,7 +150,7 @@ def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, ver
     return AdaptiveBlocks(costs, block_size, prior=drafter.acceptance_prior)
 
 
-def stream_generate(
+def stream_cycles(
     model: nn.Module,
     tokenizer,
     prompt: str | Sequence[int] | mx.array,
@@ -139,8 +172,12 @@ def stream_generate(
     prompt_cache: PromptCache | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
     costs: CostModel | None = None,
-) -> Iterator[GenerationResponse]:
-    """Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
+    sampler: Sampler | None = None,
+    detokenize: bool = True,
+) -> Iterator[CycleResponse]:
+    """One `CycleResponse` per decode step (`stream_generate` yields the same generation per token).
+
+    Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
     same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
     default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
     this machine's measured costs and the acceptance seen so far, plain steps included.
@@ -167,6 +204,14 @@ def stream_generate(
     machine's cached one, measured in this call when missing (a few dozen forwards before the first token).
     A server loads or measures it once at startup and passes it, so no request pays for it; a stale verdict
     (timings 2x off the curve) then drops only the cached copy, and the curve passed stays the caller's.
+    sampler: an mlx-lm sampler callable (log-probabilities [1, V] -> token), instead of temp/top_p/top_k/min_p.
+    Rejection sampling must know the distribution a sampler draws from, so speculation runs with samplers that
+    say it: `sampling.make_sampler`'s (mlx-lm's arguments, its sampler with the parameters attached) and mlx-lm's
+    greedy sampler. Any other callable runs plain decoding with that sampler, exactly as mlx-lm calls it (so the
+    output is still exactly mlx-lm's), with one warning saying why; refusing it would break mlx-lm code that
+    works, and guessing its law could make the output wrong.
+    detokenize: False leaves every record's text empty (for a caller that decodes the tokens itself).
+    Each record's `logprobs` stays lazy: reading it costs a host transfer, keeping it keeps [tokens, V] alive.
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
@@ -188,7 +233,27 @@ def stream_generate(
                          "(e.g. mlx_lm.sample_utils.make_logits_processors(...))")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    foreign = None
+    if sampler is None:
+        params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    else:
+        if not callable(sampler):
+            raise ValueError(f"sampler must be a callable logprobs -> token (e.g. make_sampler(temp=0.7)), got "
+                             f"{type(sampler).__name__}")
+        if (temp, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
+            raise ValueError("give either a sampler or temp/top_p/top_k/min_p, not both: make_sampler(temp=..., "
+                             "top_p=..., ...) takes them all")
+        params = sampler_params(sampler)
+        if params is None:
+            params, foreign = SamplingParams(), sampler
+            if verify_mode != "off":
+                why = getattr(sampler, "why", "") or "this sampler is a callable whose distribution is not known"
+                warnings.warn(
+                    f"plain decoding instead of {verify_mode!r} speculation: {why}, and accepting drafts exactly "
+                    "(rejection sampling) needs that distribution. The output is still exactly this sampler's; "
+                    "to speculate, make the sampler with dflash2_mlx.lm.make_sampler (mlx-lm's arguments)",
+                    UserWarning, stacklevel=2)
+                verify_mode = "off"
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = _encode(tokenizer, prompt)
     if seed is not None:
@@ -215,7 +280,7 @@ def stream_generate(
         steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache,
                              logits_processors)
     else:
-        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache, logits_processors)
+        steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache, logits_processors, foreign)
 
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -223,7 +288,7 @@ def stream_generate(
     tic = time.perf_counter()
     try:
         with wired_limit(model, [generation_stream]):
-            for i, (tokens, accepted, draft_failed, step_block, shadow) in enumerate(steps):
+            for i, (tokens, accepted, draft_failed, step_block, shadow, logprobs) in enumerate(steps):
                 if i == 0:
                     prefilled = prompt.size - (prompt_cache.reused if prompt_cache is not None else 0)
                     prompt_tps = prefilled / (time.perf_counter() - tic)  # the tokens the cache did not hold
@@ -232,15 +297,16 @@ def stream_generate(
                 stop = next((j for j, t in enumerate(tokens) if t in eos), None)
                 if stop is not None:
                     tokens = tokens[: stop + 1]
-                for t in tokens if stop is None else tokens[:-1]:
-                    detokenizer.add_token(t)
+                if detokenize:
+                    for t in tokens if stop is None else tokens[:-1]:
+                        detokenizer.add_token(t)
                 n += len(tokens)
                 finish = "stop" if stop is not None else "length" if n >= max_tokens else None
-                if finish:
+                if finish and detokenize:
                     detokenizer.finalize()
                 elapsed = time.perf_counter() - tic
-                yield GenerationResponse(
-                    text=detokenizer.last_segment,
+                yield CycleResponse(
+                    text=detokenizer.last_segment if detokenize else "",
                     tokens=tokens,
                     accepted=accepted,
                     prompt_tokens=prompt.size,
@@ -254,6 +320,7 @@ def stream_generate(
                     block_size=step_block,
                     tree_budget=tree_budget if verify_mode == "ddtree" else None,
                     shadow=shadow,
+                    logprobs=None if logprobs is None else logprobs[: len(tokens)],
                 )
                 if finish:
                     return
@@ -272,9 +339,10 @@ def generate(
     verbose: bool = False,
     **kwargs,
 ) -> GenerationResult:
-    """Run `stream_generate` to the end; with `verbose`, stream the text to stdout as it comes."""
+    """Run `stream_cycles` to the end and `summarize` it; with `verbose`, stream the text to stdout as it comes.
+    (`dflash2_mlx.lm.generate` is mlx-lm's `generate`: it returns the text.)"""
     records = []
-    for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
+    for last in stream_cycles(model, tokenizer, prompt, drafter, **kwargs):
         if last.draft_failed and not any(r.draft_failed for r in records):
             warnings.warn(
                 "the drafter produced non-finite logits (NaN/inf); such cycles fall back to plain decoding. "
@@ -282,7 +350,7 @@ def generate(
                 RuntimeWarning,
                 stacklevel=2,
             )
-        records.append(last)
+        records.append(replace(last, logprobs=None))  # the rows are not needed: let them go
         if verbose:
             print(last.text, end="", flush=True)
     if verbose:
@@ -290,11 +358,64 @@ def generate(
     return summarize(records, drafter, kwargs.get("block_size"))
 
 
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int] | mx.array,
+    drafter: DFlashDraftModel | None = None,
+    **kwargs,
+) -> Iterator[GenerationResponse]:
+    """The generation of `stream_cycles` (same arguments), one `GenerationResponse` per token as mlx-lm's
+    `stream_generate` yields them: its text segment (the detokenizer fed token by token, finalized with the last),
+    the token, its log-probabilities [V] (lazy), whether it was an accepted draft, and the counters; the last
+    response carries the finish reason ("stop": its token is the EOS, which adds no text). Each response also
+    carries its cycle's fields (accepted, block_size, verify_mode, ...) and index (`cycle`)."""
+    if "detokenize" in kwargs:
+        raise TypeError("stream_generate detokenizes token by token itself; `detokenize` is stream_cycles'")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    cycles = stream_cycles(model, tokenizer, prompt, drafter, detokenize=False, **kwargs)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    n, tic = 0, None
+    try:
+        for c, record in enumerate(cycles):
+            tic = tic or time.perf_counter()  # timed from the first token, as mlx-lm's
+            for j, token in enumerate(record.tokens):
+                n += 1
+                last = record.finish_reason is not None and j == len(record.tokens) - 1
+                if not (last and record.finish_reason == "stop"):  # EOS adds no text
+                    detokenizer.add_token(token)
+                if last:
+                    detokenizer.finalize()
+                yield GenerationResponse(
+                    text=detokenizer.last_segment,
+                    token=token,
+                    logprobs=record.logprobs[j],
+                    from_draft=record.accepted is not None and j < record.accepted,
+                    prompt_tokens=record.prompt_tokens,
+                    prompt_tps=record.prompt_tps,
+                    generation_tokens=n,
+                    generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                    peak_memory=record.peak_memory,
+                    finish_reason=record.finish_reason if last else None,
+                    accepted=record.accepted,
+                    block_size=record.block_size,
+                    verify_mode=record.verify_mode,
+                    draft_failed=record.draft_failed,
+                    tree_budget=record.tree_budget,
+                    shadow=record.shadow,
+                    cycle=c,
+                )
+    finally:
+        cycles.close()
+
+
 def summarize(
-    records: Sequence[GenerationResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
+    records: Sequence[CycleResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
 ) -> GenerationResult:
-    """The `GenerationResult` of a generation's records (all of them, or those read before it was stopped);
-    `drafter` and `block_size` as given to `stream_generate`."""
+    """The `GenerationResult` of a generation's `stream_cycles` records (all of them, or those read before it was
+    stopped); `drafter` and `block_size` as given to `stream_cycles`."""
     text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
     block_sizes, plain_tokens, shadows = Counter(), 0, []
     for r in records:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
+from mlx_lm import sample_utils
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from . import kernels
@@ -26,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off; a top_k of at least the vocabulary keeps every token
     min_p: float = 0.0  # 0 = off
+    min_tokens_to_keep: int = 1  # min-p keeps at least this many tokens
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -36,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.min_tokens_to_keep, int) or self.min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1, got {self.min_tokens_to_keep!r}")
 
     @property
     def greedy(self) -> bool:
@@ -50,7 +54,7 @@ def _sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.top_p < 1:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p > 0:
-        logprobs = apply_min_p(logprobs, params.min_p, 1)
+        logprobs = apply_min_p(logprobs, params.min_p, params.min_tokens_to_keep)
     if 0 < params.top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs * (1.0 / params.temperature)
@@ -59,6 +63,64 @@ def _sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:
     """Row-wise distribution [..., V] (float32) that `sample` draws from at T > 0."""
     return mx.softmax(_sampling_logits(logits, params).astype(mx.float32), axis=-1)
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Row-wise log-probabilities in the logits' dtype, as mlx-lm computes its `logprobs` (lazy, like any op)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+# mlx-lm's sampler: log-probabilities [..., V] -> tokens [...]
+Sampler = Callable[[mx.array], mx.array]
+
+
+class SamplerWithParams:
+    """What `make_sampler` returns: mlx-lm's own sampler for the same arguments (calling it is calling that),
+    carrying the distribution it draws from as `params` (`SamplingParams`), which speculative decoding needs
+    for its acceptance test. `params` is None where no `SamplingParams` describes it (XTC sampling)."""
+
+    def __init__(self, sampler: Sampler, params: SamplingParams | None, why: str = ""):
+        self.sampler, self.params, self.why = sampler, params, why
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.sampler(logprobs)
+
+    def __repr__(self) -> str:
+        return f"SamplerWithParams({self.params or self.why})"
+
+
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: list[int] | None = None,
+) -> SamplerWithParams:
+    """`mlx_lm.sample_utils.make_sampler` with the same arguments and meaning (top_p, min_p, top_k: 0 or out of
+    range = off), returning its sampler with the parameters attached (`SamplerWithParams`), so that
+    `stream_generate(..., sampler=make_sampler(...))` speculates exactly: rejection sampling needs the
+    distribution, which a bare callable does not tell. XTC (`xtc_probability` > 0) removes a random set of
+    tokens per draw, a law this module does not reproduce: such a sampler (`params` None) runs plain decoding,
+    with mlx-lm's XTC sampler itself."""
+    sampler = sample_utils.make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability,
+                                        xtc_threshold, xtc_special_tokens)
+    if xtc_probability > 0 and temp != 0:
+        return SamplerWithParams(sampler, None, "XTC sampling (xtc_probability > 0) draws from a random subset of "
+                                 "tokens, a distribution speculative decoding cannot test drafts against")
+    params = SamplingParams(temperature=temp, top_p=top_p if 0 < top_p < 1 else 1.0, top_k=max(top_k, 0),
+                            min_p=min_p, min_tokens_to_keep=min_tokens_to_keep)
+    return SamplerWithParams(sampler, params)
+
+
+def sampler_params(sampler: Sampler) -> SamplingParams | None:
+    """The distribution a sampler draws from, where it is known: `make_sampler`'s, and mlx-lm's greedy sampler
+    (which mlx-lm's `make_sampler` returns for temp 0); None for any other callable."""
+    if sampler is sample_utils.greedy_sampler:
+        return SamplingParams()
+    return getattr(sampler, "params", None) if isinstance(sampler, SamplerWithParams) else None
 
 
 def sample(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -249,7 +249,7 @@ def test_the_oracle_gets_the_largest_block_within_three_cycles(tokenizer, measur
     """Every draft accepted: by its third cycle it drafts the largest block (8), and stays there."""
     model = make_target("qwen3", seed=6)
     prompt = prompts(1, seed=3)[0]
-    records = list(generate_module.stream_generate(model, tokenizer, prompt, make_oracle(model, prompt, 8),
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
                                                    verify_mode="adaptive", max_tokens=80, eos_token_ids=[]))
     blocks = [r.block_size for r in records[1:-1]]  # the last cycle may be shortened by max_tokens
     cycles = [b for b in blocks if b > 1]
@@ -266,7 +266,7 @@ def test_a_drafter_right_only_inside_a_stretch_drafts_there_and_not_outside(toke
     prompt = prompts(1, seed=6)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=140, eos_token_ids=[])
     oracle = make_oracle(model, prompt, block_size=8, right_between=(lo, hi))
-    records = list(generate_module.stream_generate(model, tokenizer, prompt, oracle, verify_mode="adaptive",
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle, verify_mode="adaptive",
                                                    max_tokens=140, eos_token_ids=[]))
     assert [t for r in records for t in r.tokens] == plain
     inside, outside, drafted_inside, committed = 0, 0, 0, 0

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from conftest import make_drafter, make_oracle, make_target
 
-from dflash2_mlx import generate, stream_generate
+from dflash2_mlx import generate, stream_cycles
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
@@ -106,7 +106,7 @@ def test_eos_inside_an_accepted_run(tokenizer):
         first = plain.index(eos)
         expected = plain[: first + 1]
         oracle = make_oracle(model, prompt, block_size=8)
-        records = list(stream_generate(model, tokenizer, prompt, oracle, max_tokens=40, eos_token_ids=[eos]))
+        records = list(stream_cycles(model, tokenizer, prompt, oracle, max_tokens=40, eos_token_ids=[eos]))
         spec = [t for r in records for t in r.tokens]
         assert spec == expected
         assert records[-1].finish_reason == "stop"
@@ -120,7 +120,7 @@ def test_max_tokens_exact_inside_a_block(max_tokens, tokenizer):
     model = make_target("llama_swa", seed=2)
     prompt = prompts(1, seed=2)[0]
     oracle = make_oracle(model, prompt, block_size=8)
-    records = list(stream_generate(model, tokenizer, prompt, oracle, max_tokens=max_tokens, eos_token_ids=[]))
+    records = list(stream_cycles(model, tokenizer, prompt, oracle, max_tokens=max_tokens, eos_token_ids=[]))
     spec = [t for r in records for t in r.tokens]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=max_tokens, eos_token_ids=[])
     assert len(spec) == max_tokens and spec == plain
@@ -142,7 +142,7 @@ def test_sliding_window_target_past_its_window(tokenizer):
 def test_stream_records(tokenizer):
     model = make_target("qwen3")
     drafter = make_drafter(model, block_size=4)
-    records = list(stream_generate(model, tokenizer, "w1 w2 w3", drafter, verify_mode="dflash", max_tokens=12,
+    records = list(stream_cycles(model, tokenizer, "w1 w2 w3", drafter, verify_mode="dflash", max_tokens=12,
                                    eos_token_ids=[]))
     assert records[0].accepted is None and len(records[0].tokens) == 1
     assert all(r.accepted is not None and len(r.tokens) == r.accepted + 1 for r in records[1:-1])
@@ -190,7 +190,7 @@ def test_generation_leaves_the_target_untouched(tokenizer):
     model = make_target("qwen3")
     drafter = make_drafter(model, block_size=4)
     classes = [type(layer) for layer in model.layers]
-    stream = stream_generate(model, tokenizer, [9, 10], drafter, max_tokens=50, eos_token_ids=[])
+    stream = stream_cycles(model, tokenizer, [9, 10], drafter, max_tokens=50, eos_token_ids=[])
     next(stream)
     next(stream)
     assert type(model.layers[1]) is not classes[1]  # tapped while generating
@@ -226,9 +226,9 @@ def test_interleaved_generations_on_one_model(tokenizer):
     model = make_target("qwen3", seed=2)
     prompt = prompts(1, seed=5)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=24, eos_token_ids=[])
-    first = stream_generate(model, tokenizer, prompt, make_oracle(model, prompt, block_size=4, spoil_seed=1),
+    first = stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, block_size=4, spoil_seed=1),
                             block_size=4, max_tokens=24, eos_token_ids=[])
-    second = stream_generate(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3),
+    second = stream_cycles(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3),
                              block_size=4, max_tokens=24, eos_token_ids=[])
     tokens = list(next(first).tokens) + list(next(first).tokens)
     with pytest.raises(RuntimeError, match="already being captured by another speculative generation"):
@@ -254,7 +254,7 @@ def test_the_loops_free_cached_buffers_as_mlx_lm_does(mode, tokenizer, monkeypat
     cleared, real = [], mx.clear_cache
     record = []
     monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(len(record)) or real())
-    for r in stream_generate(model, tokenizer, prompt, drafter, verify_mode=mode, block_size=4, max_tokens=40,
+    for r in stream_cycles(model, tokenizer, prompt, drafter, verify_mode=mode, block_size=4, max_tokens=40,
                              eos_token_ids=[]):
         record += r.tokens
     assert record == plain

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_oracle
 from mlx_lm.models import qwen3_5, qwen3_next
 
-from dflash2_mlx import generate, stream_generate
+from dflash2_mlx import generate, stream_cycles
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
@@ -142,7 +142,7 @@ def test_mlx_lm_is_unchanged_after_generations(tokenizer):
 def test_early_stop_restores_the_model(tokenizer):
     model = make_hybrid("qwen3_next")
     drafter = make_drafter(model, block_size=4)
-    stream = stream_generate(model, tokenizer, [7, 8, 9], drafter, max_tokens=40, eos_token_ids=[])
+    stream = stream_cycles(model, tokenizer, [7, 8, 9], drafter, max_tokens=40, eos_token_ids=[])
     next(stream), next(stream)
     assert "_dflash_call" in model.layers[0].linear_attn.__dict__  # recording while generating
     stream.close()

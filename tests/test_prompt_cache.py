@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target
 
-from dflash2_mlx import PromptCache, PromptCaches, generate, stream_generate
+from dflash2_mlx import PromptCache, PromptCaches, generate, stream_cycles
 
 
 def recording(drafter):
@@ -121,7 +121,7 @@ def test_a_generation_closed_early_leaves_a_usable_cache(tokenizer):
     drafter = make_dflash2_drafter(model, block_size=8)
     proposals, cache = recording(drafter), PromptCache()
     p1 = list(range(50, 62))
-    records = stream_generate(model, tokenizer, p1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=4,
+    records = stream_cycles(model, tokenizer, p1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=4,
                               max_tokens=40, eos_token_ids=[])
     delivered = [t for _, r in zip(range(3), records) for t in r.tokens]
     records.close()

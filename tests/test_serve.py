@@ -197,7 +197,9 @@ GOOD = user("w1 w2")
     ({"messages": GOOD, "max_tokens": CONTEXT}, 400, "max_tokens", "lower max_tokens to"),
     ({"prompt": ""}, 400, "prompt", "'prompt' must be a non-empty string"),
     ({"messages": GOOD, "n": 2}, 400, "n", "'n' must be 1"),
-    ({"messages": GOOD, "logprobs": True}, 400, "logprobs", "'logprobs' is not supported"),
+    ({"messages": GOOD, "top_logprobs": 3}, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true"),
+    ({"messages": GOOD, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "an integer in 0..20, got 50"),
+    ({"prompt": "w1", "logprobs": 21}, 400, "logprobs", "'logprobs' must be an integer in 0..20, got 21"),
     ({"messages": GOOD, "model": "gpt-4o"}, 404, "model", "the model 'gpt-4o' does not exist here"),
 ])
 def test_bad_input_gets_an_openai_error(served, raw, status, param, fragment):

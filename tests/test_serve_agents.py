@@ -25,7 +25,7 @@ from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user
 import dflash2_apps.serve as serve
 from dflash2_mlx import adaptive, generate
 from dflash2_mlx.adaptive import AdaptiveBlocks
-from dflash2_mlx.generate import GenerationResponse
+from dflash2_mlx.generate import CycleResponse
 
 
 def client(port: int) -> openai.OpenAI:
@@ -258,10 +258,10 @@ def emitting(monkeypatch, tokenizer, text: str):
                 detokenizer.finalize()
             else:
                 detokenizer.add_token(t)
-            yield GenerationResponse(text=detokenizer.last_segment, tokens=[t], accepted=None if n == 1 else 0,
-                                     prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=n,
-                                     generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
-                                     verify_mode="dflash", block_size=None if n == 1 else 4)
+            yield CycleResponse(text=detokenizer.last_segment, tokens=[t], accepted=None if n == 1 else 0,
+                                prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=n,
+                                generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
+                                verify_mode="dflash", block_size=None if n == 1 else 4)
 
     monkeypatch.setattr(serve, "stream_generate", generation)
     yield prompts
