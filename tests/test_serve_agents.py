@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 from conftest import SPECIALS, WORDS
@@ -540,14 +542,14 @@ def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2,
     with running(tiny_pair[0], tiny_dflash2) as (app, port):
         ids_of, real, seen = chat_ids(app, PROMPTS[victim]), serve.Worker._record, []
 
-        def record(worker, e, token, finish):
+        def record(worker, e, token, logprobs, finish):
             if e.job.prompt == ids_of and e.generated >= 4 and not seen:
                 if how == "cancelled":
                     e.job.cancelled.set()
                 else:
                     e.job.deadline = time.monotonic()
                 seen.append(len(worker.active))
-            return real(worker, e, token, finish)
+            return real(worker, e, token, logprobs, finish)
 
         monkeypatch.setattr(serve.Worker, "_record", record)
         results, wants, ids, health = eight_clients(app, port, monkeypatch)
@@ -606,9 +608,10 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
     assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
 
 
-def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch) -> list[tuple[list[int], int]]:
+def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch, records: list | None = None,
+                   ) -> list[tuple[list[int], int]]:
     """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
-    is held after one record, so that all of them are active at once."""
+    is held after one record, so that all of them are active at once. `records`: gets each prompt's records."""
     jobs = [serve.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
     with held_first(monkeypatch) as (gate, holding):
         worker.submit(jobs[0])
@@ -618,12 +621,45 @@ def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch) -> l
         gate.set()
         out = []
         for job in jobs:
-            tokens = []
+            tokens, mine = [], []
             while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
                 tokens += event[1].tokens
+                mine.append(event[1])
             assert event[:2] == ("end", "finished"), event
             out.append((tokens, event[2]))
+            if records is not None:
+                records.append(mine)
     return out
+
+
+def test_batched_requests_get_the_logprobs_mlx_lm_computes(tokenizer, monkeypatch):
+    """Three requests asking for logprobs (3 best) decoded together, one moved into the batch after its first
+    cycle: each token's log-probability and its row's best three equal those of mlx-lm's own `stream_generate`
+    of the same prompt (within 1e-4), for the tokens of the speculative cycle and of the batch alike."""
+    from conftest import make_dflash2_drafter, make_target
+    from mlx_lm import stream_generate as mlx_stream
+
+    model = make_target("qwen3", seed=3)
+    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    kw = {"max_tokens": 12, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": [],
+          "logprobs": 3}
+    prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(3)]
+    records: list = []
+    try:
+        worker_answers(worker, prompts, kw, monkeypatch, records)
+        assert worker.batch_size_max == 3
+    finally:
+        assert worker.stop()
+    for prompt, mine in zip(prompts, records):
+        got = [n for r in mine for n in r.token_logprobs]
+        want = [(r.token, r.logprobs) for r in mlx_stream(model, tokenizer, mx.array(prompt), max_tokens=12)]
+        assert [t for r in mine for t in r.tokens] == [t for t, _ in want]
+        assert len(got) == len(want) == 12
+        for (chosen, top), (token, row) in zip(got, want):
+            best = np.argsort(-np.array(row))[:3]
+            assert abs(chosen - row[token].item()) < 1e-4
+            assert [i for i, _ in top] == best.tolist()
+            assert np.allclose([v for _, v in top], np.array(row)[best], atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama_swa", "qwen3_5"])
