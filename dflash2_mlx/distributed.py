@@ -30,13 +30,17 @@ import os
 import subprocess
 import sys
 import weakref
+from importlib.metadata import version
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, sharded_load
 
 from .drafter import DFlashDraftModel
+from .formats.quantize import DraftQuant
+from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
 from .target import Capture, Target
 
 MODES = ("pipeline", "tensor")
@@ -121,11 +125,9 @@ def check_shardable(model: nn.Module, mode: str) -> None:
         raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
     if (mode == "pipeline" and pipeline) or (mode == "tensor" and tensor):
         return
-    import mlx_lm
-
     other = ("--tensor-parallel" if tensor else None) if mode == "pipeline" else ("--pipeline" if pipeline else None)
     how = "no model.model.pipeline()" if mode == "pipeline" else "no model.shard()"
-    raise ValueError(f"mlx-lm {mlx_lm.__version__} cannot shard {kind} models {mode}-parallel ({how}); "
+    raise ValueError(f"mlx-lm {version('mlx-lm')} cannot shard {kind} models {mode}-parallel ({how}); "
                      + (f"use {other} instead" if other else "it cannot shard this architecture at all"))
 
 
@@ -236,8 +238,10 @@ class ShardedTarget(Target):
     def make_cache(self) -> ShardedCache:
         cache = ShardedCache(super().make_cache())
         if self.leader:
-            if self._freed:
-                freed, self._freed = self._freed, []
+            freed = []
+            while self._freed:  # emptied in place: the finalizers of live caches append to this list
+                freed.append(self._freed.pop())
+            if freed:
                 self.lead(FREE, None, mx.array(freed, mx.int32))
             cache.key = next(self._keys)
             self.lead(START, cache)
@@ -330,11 +334,6 @@ def load(
     (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load`, and the drafter
     (every process loads it whole: rank 0 runs it, every rank applies its share of `fc`). The processes first
     check that they load the same drafter and target config (within `timeout` seconds)."""
-    from mlx_lm.utils import load_model, sharded_load
-
-    from .formats.quantize import DraftQuant
-    from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
-
     if model is None or str(model).endswith(".gguf"):
         raise ValueError("a sharded target is an mlx-lm model folder or hub id (mlx-lm's sharded_load); "
                          f"got {model or 'none (--model)'}: convert a GGUF file with mlx_lm.convert first")
