@@ -1,6 +1,6 @@
 """A target sharded over two processes on this machine (MLX distributed, ring backend on 127.0.0.1): pipeline
-parallel (a tiny qwen2 and a tiny hybrid qwen3_5) and tensor parallel (a tiny qwen3), each with a DFlash v1 and a
-DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
+parallel (a tiny qwen2 and a tiny hybrid qwen3_5) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
+drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
 
 All the two-process generations run in one launch of `sharded_worker.py` (module fixture); every launch is
 bounded by a timeout, and the group's size is checked (a group of one would make every collective a no-op)."""
@@ -33,8 +33,11 @@ WORKER = Path(__file__).parent / "sharded_worker.py"
 LAUNCH_TIMEOUT = 300  # seconds for one two-process launch (the matrix takes ~30 s on 2 busy cores)
 PROMPT = [1, 10, 11, 12, 13, 14, 15]
 TOKENS = 24
-TARGETS = {"qwen2": "pipeline", "qwen3_5": "pipeline", "qwen3": "tensor"}
-CASES = [f"{arch}-{kind}" for arch in TARGETS for kind in ("v1", "dflash2")]
+# case -> (target architecture, sharding, drafter); the hybrid tensor-parallel case: each process holds a slice of
+# every recurrent state too, and rolls back its slice
+CASES = {f"{arch}-{kind}": (arch, mode, kind) for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"),
+                                                                 ("qwen3", "tensor")) for kind in ("v1", "dflash2")}
+CASES["qwen3_5-tensor-v1"] = ("qwen3_5", "tensor", "v1")
 GREEDY = dict(max_tokens=TOKENS, verify_mode="dflash", block_size=4, eos_token_ids=[])
 SAMPLED = dict(GREEDY, temp=2.0, seed=3)
 # `python -m dflash2_apps.cli` from this checkout's apps/ (an editable install may map the package elsewhere)
@@ -103,9 +106,9 @@ def save_indexed(folder: Path, model, config: dict) -> Path:
 
 
 def build_folders(root: Path) -> dict:
-    """Target and drafter folders of every case."""
+    """(target folder, drafter folder) of every (architecture, drafter kind)."""
     folders = {}
-    for arch in TARGETS:
+    for arch in ("qwen2", "qwen3_5", "qwen3"):
         if arch == "qwen3_5":
             hybrid = make_hybrid("qwen3_5")
             target = save_indexed(root / arch, hybrid, hybrid.args_config)
@@ -117,7 +120,7 @@ def build_folders(root: Path) -> dict:
         model, _ = load_model(target)
         for kind, make in (("v1", make_drafter), ("dflash2", make_dflash2_drafter)):
             drafter = make(model, block_size=8, mask_token_id=5)  # reads target layers 1 and 3 (of 0..3)
-            folders[f"{arch}-{kind}"] = (target, save_drafter(root / f"{arch}-{kind}", drafter))
+            folders[arch, kind] = (target, save_drafter(root / f"{arch}-{kind}", drafter))
     return folders
 
 
@@ -145,31 +148,55 @@ def unsharded(target: Path, drafter_dir: Path) -> dict:
     return {"greedy": greedy, "sampled": sampled, "context": np.concatenate(features) @ fc.T}
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    """Every case run by two processes (one launch), with its references."""
-    root = tmp_path_factory.mktemp("sharded")
+def run_matrix(root: Path) -> None:
+    """Every case run by two processes (one launch) into root/out, and its references into root/references."""
     folders = build_folders(root / "models")
-    jobs, references = [], {}
-    for case, (target, drafter) in folders.items():
-        reference = mlx_lm_greedy(target)
+    jobs, alone = [], {}
+    for case, (arch, mode, kind) in CASES.items():
+        target, drafter = folders[arch, kind]
+        if (arch, kind) not in alone:
+            alone[arch, kind] = {"mlx_lm": mlx_lm_greedy(target), **unsharded(target, drafter)}
+        reference = alone[arch, kind]
+        (root / "references").mkdir(exist_ok=True)
+        np.save(root / "references" / f"{case}-context.npy", reference["context"])
+        (root / "references" / f"{case}.json").write_text(
+            json.dumps({k: v for k, v in reference.items() if k != "context"}))
         runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-v1" else [])
-        jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=TARGETS[case.split("-")[0]],
-                         prompt=PROMPT, runs=runs, script=reference))
-        references[case] = {"mlx_lm": reference, **unsharded(target, drafter)}
+        jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=PROMPT, runs=runs,
+                         script=reference["mlx_lm"]))
     (root / "jobs.json").write_text(json.dumps(jobs))
-    out = root / "out"
-    out.mkdir()
-    command = [sys.executable, str(WORKER), str(root / "jobs.json"), str(out)]
+    (root / "out").mkdir()
+    command = [sys.executable, str(WORKER), str(root / "jobs.json"), str(root / "out")]
     results = launch([command, command], root / "launch")
     assert [r["returncode"] for r in results] == [0, 0], results
-    found = {}
-    for case in folders:
+    (root / "done").touch()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """(what the two processes wrote, the references) of every case. Under pytest-xdist the workers share one
+    launch: the first to get here runs it, the others read its files."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from filelock import FileLock
+
+        root = tmp_path_factory.getbasetemp().parent / "sharded-matrix"  # this run's, shared by its workers
+        root.mkdir(exist_ok=True)
+        with FileLock(str(root) + ".lock"):
+            if not (root / "done").exists():
+                run_matrix(root)
+    else:
+        root = tmp_path_factory.mktemp("sharded")
+        run_matrix(root)
+    out, refs = root / "out", root / "references"
+    found, references = {}, {}
+    for case in CASES:
         found[case] = {
             "ranks": [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in (0, 1)],
             "runs": json.loads((out / f"{case}.json").read_text())["runs"],
             "context": np.load(out / f"{case}-context.npy"),
         }
+        references[case] = {**json.loads((refs / f"{case}.json").read_text()),
+                             "context": np.load(refs / f"{case}-context.npy")}
     return found, references
 
 
@@ -178,7 +205,7 @@ def test_two_processes_each_hold_a_share(sharded):
     for case, result in found.items():
         assert [r["size"] for r in result["ranks"]] == [2, 2], case  # a group of one would test nothing
         rank0, rank1 = result["ranks"]
-        if TARGETS[case.split("-")[0]] == "pipeline":
+        if CASES[case][1] == "pipeline":
             # mlx-lm's pipeline: rank 1 runs layers 0-1, rank 0 layers 2-3; the drafter reads layers 1 and 3
             assert (rank1["first_layer"], rank1["layers"], rank1["held"]) == (0, 2, [1]), case
             assert (rank0["first_layer"], rank0["layers"], rank0["held"]) == (2, 2, [3]), case
@@ -186,7 +213,7 @@ def test_two_processes_each_hold_a_share(sharded):
             assert rank0["held"] == rank1["held"] == [1, 3] and rank0["layers"] == rank1["layers"] == 4, case
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_one_process(sharded, case):
     found, references = sharded
     greedy = found[case]["runs"][0]["tokens"]
@@ -194,7 +221,7 @@ def test_greedy_matches_one_process(sharded, case):
     assert greedy == references[case]["greedy"] == references[case]["mlx_lm"]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_scripted_drafts_are_accepted_and_rolled_back(sharded, case):
     """Drafts right up to a random position: every acceptance length, each cycle's rejected rows rolled back
     in both processes (recurrent layers too), and the output still mlx-lm's greedy text."""
@@ -204,7 +231,7 @@ def test_scripted_drafts_are_accepted_and_rolled_back(sharded, case):
     assert sum(scripted["accepted"]) >= TOKENS // 3 and {0, 3} <= set(scripted["accepted"]), scripted["accepted"]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_context_matches_one_process(sharded, case):
     """The drafter's context rows (its fc of the tapped layers' outputs, summed over the processes that hold them
     in a pipeline) against NumPy's fc of the one-process features, row by row over the whole greedy run."""
@@ -215,13 +242,13 @@ def test_context_matches_one_process(sharded, case):
     assert np.abs(got - want).max() <= 1e-5
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(CASES))
 def test_sampled_matches_one_process(sharded, case):
     found, references = sharded
     sampled = found[case]["runs"][1]
     assert sampled["tokens"] == references[case]["sampled"]
     assert sampled["tokens"] != references[case]["greedy"]  # it sampled
-    if case.endswith("v1"):  # at T = 2 the random v1 drafters get drafts accepted: rollbacks of part of a block
+    if CASES[case][2] == "v1":  # at T = 2 the random v1 drafters get drafts accepted: rollbacks of part of a block
         assert sum(sampled["accepted"]) > 0
 
 
