@@ -26,12 +26,12 @@ from mlx_lm.utils import load_model
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
     save_tokenizer
 from dflash2_mlx import generate, load
-from dflash2_mlx.distributed import ShardedTarget, check_shardable
+from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "sharded_worker.py"
 LAUNCH_TIMEOUT = 300  # seconds for one two-process launch (the matrix takes ~30 s on 2 busy cores)
-PROMPT = [1, 10, 11, 12, 13, 14, 15]
+PROMPT = [1] + [6 + (10 + 7 * i) % 240 for i in range(79)]  # 80 ids: more than one announcement carries
 TOKENS = 24
 # case -> (target architecture, sharding, drafter); the hybrid tensor-parallel case: each process holds a slice of
 # every recurrent state too, and rolls back its slice
@@ -45,8 +45,9 @@ CLI = [sys.executable, "-c", "import importlib.util, sys; apps = sys.argv.pop(1)
        "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
        "sys.modules['dflash2_apps'] = importlib.util.module_from_spec(spec); spec.loader.exec_module("
        "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())", str(ROOT / "apps")]
-# run by the qwen2 v1 case only: adaptive mode (its cost measurement, plain runs) and plain decoding
-EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[]),
+# run by the qwen2 v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
+# decoding
+EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
          dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
 
 
@@ -204,6 +205,7 @@ def test_two_processes_each_hold_a_share(sharded):
     found, _ = sharded
     for case, result in found.items():
         assert [r["size"] for r in result["ranks"]] == [2, 2], case  # a group of one would test nothing
+        assert len(PROMPT) > MESSAGE_IDS  # the prompt's ids follow their announcement
         rank0, rank1 = result["ranks"]
         if CASES[case][1] == "pipeline":
             # mlx-lm's pipeline: rank 1 runs layers 0-1, rank 0 layers 2-3; the drafter reads layers 1 and 3
