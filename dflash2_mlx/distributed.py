@@ -46,7 +46,7 @@ from .target import Capture, Target
 MODES = ("pipeline", "tensor")
 CONNECT_TIMEOUT = 60.0  # seconds to reach the other processes and agree on what they loaded
 # what rank 0 asks of the others
-START, FREE, FORWARD, VERIFY, ROLLBACK, PLAIN, STOP = range(1, 8)
+START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP = range(1, 9)
 _FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
 MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
 
@@ -153,6 +153,9 @@ class ShardedCapture(Capture):
         self.target.lead(ROLLBACK, cache, count=keep)
         super().rollback(cache, verified, keep)
 
+    def _trim(self, cache: list, n: int) -> None:
+        Target._trim(cache, n)  # part of the rollback announced
+
     def _forward(self, tokens: mx.array, cache: list):
         logits = self.target.model(tokens[None], cache=cache)[0]
         features = self.target.project(self._features(), logits)
@@ -248,6 +251,11 @@ class ShardedTarget(Target):
             weakref.finalize(cache, self._freed.append, cache.key)
         return cache
 
+    def _trim(self, cache: list, n: int) -> None:
+        """`Target._trim`, announced (a prompt cache cut back to the prefix a new prompt shares)."""
+        self.lead(TRIM, cache, count=n)
+        Target._trim(cache, n)
+
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         logits = super().__call__(self.lead(PLAIN, cache, tokens), cache)
         self._finish_later(logits)
@@ -312,6 +320,8 @@ def follow(target: ShardedTarget) -> None:
                 mx.eval(target(ids, caches[key]))
             elif op == ROLLBACK:
                 tap.rollback(caches[key], verified[key], n)
+            elif op == TRIM:
+                target._trim(caches[key], n)
             else:
                 raise RuntimeError(f"rank 0 asked for operation {op}, which this version does not know: run the same "
                                    "version of dflash2 in every process")

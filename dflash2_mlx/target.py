@@ -178,7 +178,11 @@ class Capture:
             if n > 0:
                 seen.rebuild(cache[i - self.target.first_layer], keep)
         if n > 0:
-            self.target._trim(cache, n)
+            self._trim(cache, n)
+
+    def _trim(self, cache: list, n: int) -> None:
+        """The KV caches' part of a rollback (`distributed.ShardedCapture`'s is announced with the rollback)."""
+        self.target._trim(cache, n)
 
     def _features(self) -> mx.array | None:
         """The recorded outputs of the drafter's layers this target holds (all of them, unsharded),

@@ -2,11 +2,12 @@
 
     python tests/sharded_worker.py JOBS.json OUT_DIR
 
-For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings,
-optionally the target's greedy continuation to script drafts from) every rank loads its share of the target and
-the drafter; rank 0 generates (the other ranks follow) and writes OUT_DIR/<name>.json (the tokens of each run)
-and OUT_DIR/<name>-context.npy (the context rows the drafter was handed during the first run, in order); every
-rank writes OUT_DIR/<name>-rank<r>.json (the group's size, the layers it holds and the drafter's among them).
+For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings;
+optionally prompts to run through one prompt cache, and the target's greedy continuation to script drafts from)
+every rank loads its share of the target and the drafter; rank 0 generates (the other ranks follow) and writes
+OUT_DIR/<name>.json (the tokens of each run) and OUT_DIR/<name>-context.npy (the context rows the drafter was
+handed during the first run, in order); every rank writes OUT_DIR/<name>-rank<r>.json (the group's size, the
+layers it holds and the drafter's among them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx import distributed, generate
+from dflash2_mlx import PromptCache, distributed, generate
 from dflash2_mlx.sampling import Proposal
 
 
@@ -65,6 +66,11 @@ def main(jobs_file: str, out_dir: str) -> None:
                 result = generate(target, tokenizer, job["prompt"], drafter, **settings)
                 runs.append({"tokens": result.tokens, "accepted": result.accepted})
                 drafter.draft_rows = draft_rows  # the contexts of the first run only
+            if job.get("cached"):  # consecutive prompts through one prompt cache (a shared prefix reused)
+                cache = PromptCache()
+                for prompt in job["cached"]:
+                    result = generate(target, tokenizer, prompt, drafter, prompt_cache=cache, **job["runs"][0])
+                    runs.append({"tokens": result.tokens, "accepted": result.accepted, "reused": cache.reused})
             if job.get("script"):  # greedy, drafts scripted from the target's known continuation
                 drafter.propose = scripted(job["prompt"] + job["script"], job.get("spoil_seed", 0))
                 result = generate(target, tokenizer, job["prompt"], drafter, max_tokens=len(job["script"]),

@@ -25,7 +25,7 @@ from mlx_lm.utils import load_model
 
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
     save_tokenizer
-from dflash2_mlx import generate, load
+from dflash2_mlx import PromptCache, generate, load
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,9 @@ CASES = {f"{arch}-{kind}": (arch, mode, kind) for arch, mode in (("qwen2", "pipe
 CASES["qwen3_5-tensor-v1"] = ("qwen3_5", "tensor", "v1")
 GREEDY = dict(max_tokens=TOKENS, verify_mode="dflash", block_size=4, eos_token_ids=[])
 SAMPLED = dict(GREEDY, temp=2.0, seed=3)
+# consecutive prompts through one prompt cache: the second shares 50 tokens with the first, whose caches are cut
+# back to them (KV caches trimmed in every process; the hybrid target starts afresh)
+CACHED = [PROMPT, PROMPT[:50] + [20, 21, 22, 23, 24]]
 # `python -m dflash2_apps.cli` from this checkout's apps/ (an editable install may map the package elsewhere)
 CLI = [sys.executable, "-c", "import importlib.util, sys; apps = sys.argv.pop(1); spec = importlib.util."
        "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
@@ -145,8 +148,11 @@ def unsharded(target: Path, drafter_dir: Path) -> dict:
     greedy = generate(model, tokenizer, PROMPT, drafter, **GREEDY).tokens
     drafter.draft_rows = draft_rows
     sampled = generate(model, tokenizer, PROMPT, drafter, **SAMPLED).tokens
+    cache, cached = PromptCache(), []
+    for prompt in CACHED:
+        cached.append([generate(model, tokenizer, prompt, drafter, prompt_cache=cache, **GREEDY).tokens, cache.reused])
     fc = np.array(drafter.fc.weight, np.float64)
-    return {"greedy": greedy, "sampled": sampled, "context": np.concatenate(features) @ fc.T}
+    return {"greedy": greedy, "sampled": sampled, "cached": cached, "context": np.concatenate(features) @ fc.T}
 
 
 def run_matrix(root: Path) -> None:
@@ -164,7 +170,7 @@ def run_matrix(root: Path) -> None:
             json.dumps({k: v for k, v in reference.items() if k != "context"}))
         runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-v1" else [])
         jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=PROMPT, runs=runs,
-                         script=reference["mlx_lm"]))
+                         cached=CACHED, script=reference["mlx_lm"]))
     (root / "jobs.json").write_text(json.dumps(jobs))
     (root / "out").mkdir()
     command = [sys.executable, str(WORKER), str(root / "jobs.json"), str(root / "out")]
@@ -255,6 +261,14 @@ def test_sampled_matches_one_process(sharded, case):
     assert sampled["tokens"] != references[case]["greedy"]  # it sampled
     if CASES[case][2] == "v1":  # at T = 2 the random v1 drafters get drafts accepted: rollbacks of part of a block
         assert sum(sampled["accepted"]) > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_cache_reuse_matches_one_process(sharded, case):
+    found, references = sharded
+    cached = [[run["tokens"], run["reused"]] for run in found[case]["runs"][-1 - len(CACHED) : -1]]
+    assert cached == references[case]["cached"]
+    assert cached[1][1] == (0 if CASES[case][0] == "qwen3_5" else 50)
 
 
 def test_adaptive_and_plain_decoding(sharded):
