@@ -289,8 +289,11 @@ def leading(target: ShardedTarget):
         raise RuntimeError("only rank 0 leads; the other ranks follow (distributed.follow)")
     try:
         yield target
-    finally:
-        target.lead(STOP, None)
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # the others may be gone (the error itself may say so)
+            target.lead(STOP, None)
+        raise
+    target.lead(STOP, None)
 
 
 def follow(target: ShardedTarget) -> None:

@@ -315,6 +315,41 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
         assert "rank 1 loaded a different drafter from rank 0's" in r["stderr"], r
 
 
+def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
+    """Rank 1 killed while rank 0 generates: rank 0 stops at its next exchange with the ring's own message."""
+    model_dir = tmp_path / "models"
+    target = save_target(model_dir / "qwen2", "qwen2")
+    weights = mx.load(str(target / "model.safetensors"))
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    model, _ = load_model(target)
+    drafter = save_drafter(model_dir / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
+    jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT,
+                 runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "out").mkdir()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
+    procs = [subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in (0, 1)]
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "out" / "long-rank1.json").exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        time.sleep(2)  # generating by now
+        assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode != 0
+    assert "connection to a peer was lost" in err.splitlines()[-1], err[-2000:]
+
+
 def test_architectures_mlx_lm_cannot_shard_are_refused():
     import mlx.nn as nn
 
