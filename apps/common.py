@@ -8,7 +8,7 @@ from inspect import signature
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from dflash2_mlx import load
+from dflash2_mlx import distributed, load
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
@@ -167,6 +167,45 @@ def load_pair(args):
         draft_vocab=args.draft_vocab,
         draft_vocab_counts=args.draft_vocab_counts,
         kernels=args.kernels,
+    )
+
+
+def add_sharding_args(p) -> None:
+    """A target sharded over the processes `mlx.launch` started (one per Mac): rank 0 prints, the others follow."""
+    g = p.add_argument_group("a target sharded over several processes (start every one with mlx.launch)")
+    how = g.add_mutually_exclusive_group()
+    how.add_argument("--pipeline", action="store_true",
+                     help="pipeline parallel: each process runs a run of consecutive layers (mlx-lm's "
+                     "model.model.pipeline; qwen2, qwen3_5, qwen3_moe, qwen3_next, deepseek, glm4_moe, ...)")
+    how.add_argument("--tensor-parallel", action="store_true",
+                     help="tensor parallel: each process holds a slice of every layer (mlx-lm's model.shard; "
+                     "qwen3, qwen3_5, llama, qwen2, deepseek, gpt_oss, ...)")
+    g.add_argument("--backend", default="any", help="MLX distributed backend: any (default), ring, jaccl, mpi")
+    g.add_argument("--connect-timeout", type=float, default=distributed.CONNECT_TIMEOUT, metavar="SECONDS",
+                   help="how long a process waits for the others at the start before it gives up (default "
+                   f"{distributed.CONNECT_TIMEOUT:g})")
+
+
+def load_sharded(args):
+    """(this process's `distributed.ShardedTarget`, tokenizer, drafter or None) as `add_model_args`' and
+    `add_sharding_args`' flags say."""
+    use_metal(args.kernels)
+    apply_omlx_settings(args)
+    args.verify_mode = args.verify_mode or generation_defaults()["verify_mode"]
+    if args.verify_mode == "ddtree":
+        raise ValueError("--verify-mode ddtree runs in one process; a sharded target verifies linear blocks "
+                         "(--verify-mode adaptive or dflash)")
+    if not args.model:
+        raise ValueError("a sharded target needs --model (an mlx-lm model folder or hub id)")
+    if args.verify_mode != "off" and not args.draft_model:
+        raise ValueError(f"--verify-mode {args.verify_mode} needs --draft-model; use --verify-mode off for plain "
+                         "decoding")
+    group = distributed.init_group(args.backend, args.connect_timeout)
+    return distributed.load(
+        args.model, args.draft_model if args.verify_mode != "off" else None, group,
+        "pipeline" if args.pipeline else "tensor", dtype=args.dtype, draft_dtype=args.draft_dtype,
+        draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_counts=args.draft_vocab_counts,
+        kernels=args.kernels, timeout=args.connect_timeout,
     )
 
 

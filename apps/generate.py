@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dflash2_mlx import generate
+from dflash2_mlx import distributed, generate
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.target import Target
 
@@ -24,17 +24,29 @@ def add_parser(sub) -> None:
     common.add_processor_args(p)
     p.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    common.add_sharding_args(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    if args.pipeline or args.tensor_parallel:  # one process of several (mlx.launch): rank 0 generates and prints
+        target, tokenizer, drafter = common.load_sharded(args)
+        if not target.leader:
+            distributed.follow(target)
+            return 0
+        with distributed.leading(target):
+            return _generate(args, target, tokenizer, drafter, target.vocab_size)
     model, tokenizer, drafter = common.load_pair(args)
+    return _generate(args, model, tokenizer, drafter, Target(model).vocab_size)
+
+
+def _generate(args, model, tokenizer, drafter, vocab_size: int) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not args.ignore_chat_template and tokenizer.has_chat_template:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
         )
-    kwargs = common.generation_kwargs(args, Target(model).vocab_size)
+    kwargs = common.generation_kwargs(args, vocab_size)
     result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)

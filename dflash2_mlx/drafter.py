@@ -258,6 +258,9 @@ class DFlashDraftModel(nn.Module):
         self.draft_vocab = None  # token ids [n] (numpy) the drafter may propose; None: the whole vocabulary
         # its card's held-out P(draft i accepted | drafts before it accepted) (numpy), adaptive mode's prior
         self.acceptance_prior = None
+        # True when the context it is given has been through `fc` already: a target sharded over several
+        # processes sums each process's share of `fc` over the layers it holds (`distributed.py`)
+        self.context_projected = False
         self.use_kernels("auto")
 
     def use_kernels(self, choice: str = "auto") -> "DFlashDraftModel":
@@ -302,14 +305,15 @@ class DFlashDraftModel(nn.Module):
         """Normed final hidden rows of the block.
 
         block: [1, B] token ids (anchor, then mask ids); context: [1, S, k*D] target features of the
-        committed rows not yet seen by `cache` (appended to it here). For training, block is [N, B],
-        context the features of whole sequences [S, L, k*D], and `training` says where each block sits.
+        committed rows not yet seen by `cache` (appended to it here; [1, S, D] when `context_projected`). For
+        training, block is [N, B], context the features of whole sequences [S, L, k*D], and `training` says where each block sits.
         """
         if self._target is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")
         dtype = self.norm.weight.dtype  # the drafter's compute dtype, whatever the target's
         h = (self._target.embed(block) * self._target.embed_scale).astype(dtype)
-        ctx = self.hidden_norm(self.fc(context.astype(dtype)))
+        context = context.astype(dtype)
+        ctx = self.hidden_norm(context if self.context_projected else self.fc(context))
         for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
             h = layer(h, ctx, c, training)
         return self.norm(h)

@@ -177,9 +177,10 @@ def stream_cycles(
 ) -> Iterator[CycleResponse]:
     """One `CycleResponse` per decode step (`stream_generate` yields the same generation per token).
 
-    Generate from `model` (an mlx-lm model), speculatively with `drafter`, or by plain decoding of the
-    same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`; "adaptive" (oMLX's
-    default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
+    Generate from `model` (an mlx-lm model, or a `Target` made from one with the drafter bound to it: a target
+    sharded over several processes, `distributed.ShardedTarget`), speculatively with `drafter`, or by plain
+    decoding of the same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`;
+    "adaptive" (oMLX's default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
     this machine's measured costs and the acceptance seen so far, plain steps included.
 
     temp, top_p, top_k, min_p: mlx-lm's sampler (`make_sampler`): top-p, min-p and top-k filter the
@@ -261,7 +262,10 @@ def stream_cycles(
     if max_context is not None and prompt.size >= max_context:
         verify_mode = "off"
 
-    target = bind_drafter(drafter, model) if verify_mode != "off" else Target(model)
+    if isinstance(model, Target):  # made and bound already (a target sharded over processes: `distributed.py`)
+        target, model = model, model.model
+    else:
+        target = bind_drafter(drafter, model) if verify_mode != "off" else Target(model)
     if prompt.size and int(prompt.max()) >= target.vocab_size:
         raise ValueError(
             f"prompt token id {int(prompt.max())} is outside the target's vocabulary "

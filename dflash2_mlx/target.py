@@ -5,6 +5,11 @@ features from the same forward (no second pass), chunked prefill, and a cache th
 after a partial acceptance: KV caches are trimmed, sliding-window caches cut, and the recurrent states of
 hybrid models (GatedDeltaNet layers) rebuilt from what their layers recorded (`recurrent.py`).
 
+A pipeline stage of a target sharded over several processes (mlx-lm's `model.model.pipeline(group)`) holds a
+slice of the layers: its list has None before the first layer it runs and ends after its last, and its cache
+covers its own layers only. `Target` counts the layers from the config, taps only the drafter's layers it holds
+and indexes its cache from its first layer; the collective part is `distributed.py`'s.
+
 Features are captured by re-classing only the few layer *instances* the drafter reads (a per-instance
 subclass whose `__call__` records the output), for the duration of a `with target.capture() as tap:` block
 owned by one generation. The layers keep their parameters and names, no class is modified, and the model is
@@ -130,6 +135,9 @@ class Capture:
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """Logits [L, V] and features [L, k*D] (None without layer ids) of `tokens` [L]; not undoable."""
+        return self._forward(tokens, cache)
+
+    def _forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         logits = self.target.model(tokens[None], cache=cache)[0]
         features = self._features()
         return logits, None if features is None else features[0]
@@ -151,7 +159,7 @@ class Capture:
         for r in self.recorders.values():
             r.active = True
         try:
-            logits, features = self.forward(tokens, cache)
+            logits, features = self._forward(tokens, cache)
         finally:
             for r in self.recorders.values():
                 r.active = False
@@ -168,24 +176,43 @@ class Capture:
         n = verified.rows - keep
         for i, seen in verified.recurrences.items():
             if n > 0:
-                seen.rebuild(cache[i], keep)
+                seen.rebuild(cache[i - self.target.first_layer], keep)
         if n > 0:
-            self.target._trim(cache, n)
+            self._trim(cache, n)
+
+    def _trim(self, cache: list, n: int) -> None:
+        """The KV caches' part of a rollback (`distributed.ShardedCapture`'s is announced with the rollback)."""
+        self.target._trim(cache, n)
 
     def _features(self) -> mx.array | None:
-        """The recorded outputs of the drafter's layers, concatenated: [S, L, k*D]."""
+        """The recorded outputs of the drafter's layers this target holds (all of them, unsharded),
+        concatenated in the drafter's order: [S, L, k*D]; None when it holds none."""
         target = self.target
-        if not target.layer_ids:
+        if not target.held_ids:
             return None
         outputs, self.outputs = self.outputs, {}
         rows = []
-        for i in target.layer_ids:
+        for i in target.held_ids:
             h = outputs[i]
             # Hugging Face's hidden_states[N] (the last layer's output) is taken after the final norm.
             if i == target.num_layers - 1 and target.final_norm is not None:
                 h = target.final_norm(h)
             rows.append(h)
         return mx.concatenate(rows, axis=-1)
+
+
+def _layer_count(model: nn.Module, inner: nn.Module, listed: int) -> int:
+    """The target's number of layers: the config's for a pipeline stage (whose list stops after its own last
+    layer), else the length of its layer list."""
+    if getattr(inner, "pipeline_size", 1) <= 1:
+        return listed
+    lm = getattr(model, "language_model", None)
+    for source in (inner, getattr(inner, "args", None), getattr(lm if lm is not None else model, "args", None)):
+        n = getattr(source, "num_hidden_layers", None)
+        if isinstance(n, int):
+            return n
+    raise ValueError(f"{type(model).__module__}: a pipeline stage whose config does not say how many layers the "
+                     "target has (num_hidden_layers)")
 
 
 def _offset(cache: list) -> int:
@@ -196,8 +223,11 @@ def _offset(cache: list) -> int:
 class Target:
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()):
         self.model = model
-        self.layers, inner = _parts(model)
-        self.num_layers = len(self.layers)
+        layers, inner = _parts(model)
+        # a pipeline stage's list: None before its first layer (its cache starts there), ending after its last
+        self.first_layer = next((i for i, layer in enumerate(layers) if layer is not None), len(layers))
+        self.layers = list(layers[self.first_layer :])
+        self.num_layers = _layer_count(model, inner, len(layers))
         self.layer_ids = tuple(layer_ids)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
@@ -206,6 +236,8 @@ class Target:
                 f"({getattr(model, 'model_type', type(model).__name__)}) has only {self.num_layers} "
                 f"layers (0..{self.num_layers - 1}); this drafter was trained for a different target"
             )
+        # the drafter's layers this process runs, in the drafter's order (all of them unless pipelined)
+        self.held_ids = tuple(i for i in self.layer_ids if self.holds(i))
         self.embed_tokens = inner.embed_tokens
         self.final_norm = getattr(inner, "norm", None)
         if isinstance(self.embed_tokens, nn.QuantizedEmbedding):
@@ -217,8 +249,13 @@ class Target:
         self.embed_scale = input_embedding_scale(inner)
         # layer index -> its GatedDeltaNet module, for hybrid targets
         self.recurrent = {
-            i: module for i, layer in enumerate(self.layers) if (module := patches.recurrent_module(layer))
+            self.first_layer + j: module for j, layer in enumerate(self.layers)
+            if (module := patches.recurrent_module(layer))
         }
+
+    def holds(self, i: int) -> bool:
+        """Whether layer i runs in this process (always, unless the target is a pipeline stage)."""
+        return self.first_layer <= i < self.first_layer + len(self.layers)
 
     def fingerprint(self) -> str:
         """Names the target and its tapped layers: weights of the first embedding rows + the layer ids."""
@@ -246,7 +283,8 @@ class Target:
         cache = make_prompt_cache(self.model)
         unsupported = {
             type(c).__name__ for i, c in enumerate(cache)
-            if not isinstance(c, _ROLLBACK_CACHES) and not (isinstance(c, ArraysCache) and i in self.recurrent)
+            if not isinstance(c, _ROLLBACK_CACHES)
+            and not (isinstance(c, ArraysCache) and self.first_layer + i in self.recurrent)
         }
         if unsupported:
             raise ValueError(
@@ -278,22 +316,25 @@ class Target:
         """Forwards that also give the drafter's features and can be rolled back, for one generation: the
         few layers they need are re-classed (per instance) while the block is open, and restored on exit even
         if generation raises. A model already being captured (by another generation) is refused."""
-        layers = [self.layers[i] for i in sorted(set(self.layer_ids))]
+        layers = [self.layers[i - self.first_layer] for i in sorted(set(self.held_ids))]
         busy = [m for m in layers + list(self.recurrent.values()) if patches.is_patched(m)]
         if busy:
             raise RuntimeError(
                 "this model is already being captured by another speculative generation; run generations on "
                 "one model one after the other (or load a second copy of the model)"
             )
-        tap, restore = Capture(self), []
+        tap, restore = self._capture(), []
         try:
             for i, module in self.recurrent.items():
                 restore += patches.record_recurrent(module, tap.recorders[i])
-            for i in sorted(set(self.layer_ids)):
-                restore += patches.tap_layer(self.layers[i], tap, i)
+            for i in sorted(set(self.held_ids)):
+                restore += patches.tap_layer(self.layers[i - self.first_layer], tap, i)
             yield tap
         finally:
             patches.restore(restore)
+
+    def _capture(self) -> Capture:
+        return Capture(self)
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits [L, V] for `tokens` [L] (no features: those come from a `capture()`)."""

@@ -130,7 +130,10 @@ def draft_log_probs(lattice: Lattice) -> mx.array:
 
 def check_target(target) -> None:
     """Tree mode needs attention layers whose RoPE can be given per-node positions, KV caches whose rows can
-    be reordered, and no recurrent layers."""
+    be reordered, and no recurrent layers, in one process."""
+    if getattr(target, "group", None) is not None:
+        raise ValueError("tree verification (--verify-mode ddtree) runs in one process; a target sharded over "
+                         "several verifies linear blocks: use --verify-mode dflash or adaptive")
     if target.recurrent:
         raise ValueError(
             f"tree verification (--verify-mode ddtree) does not support hybrid targets ({target.model_type}: "

@@ -1,0 +1,378 @@
+"""A target sharded over several processes: MLX distributed, the processes started by `mlx.launch` (one per
+Mac, or several on one machine), the target split by mlx-lm itself (`mlx_lm.utils.sharded_load`): pipeline
+parallel (`model.model.pipeline`: each process runs a run of consecutive layers, rank 0 the last ones) or tensor
+parallel (`model.shard`: each process holds a slice of every layer).
+
+Every process runs every target forward (mlx-lm's sharded models exchange activations inside it); rank 0
+alone runs the decode loop (`decode.py`, as in one process): it drafts, samples and accepts, and the other ranks
+follow it (`follow`). Before each target operation rank 0 broadcasts one message: the operation, the cache it
+is on, a count and the tokens fed (a cycle's anchor and drafts; a prompt chunk longer than the message follows
+in a second one); a rollback's count is the rows kept (the accepted drafts and the anchor). Each process rolls
+back its own caches, recurrent layers included. A broadcast is an `all_sum` to which the other ranks give
+zeros. Every collective runs in the same order in every process: rank 0 finishes each operation (its logits
+and the drafter's context) before it announces the next, as the other ranks do.
+
+The drafter's context is its `fc` (a linear map) of the outputs of a few target layers, concatenated. In a
+pipeline those layers live in different processes, so each applies its columns of `fc` to the layers it holds
+and the processes sum the [rows, hidden] results: `fc` of the whole concatenation, for a fraction of the
+traffic of gathering the features. Tensor parallel: every layer's output is whole in every process and rank 0
+applies `fc` alone. Either way the drafter is handed its context through `fc` already
+(`DFlashDraftModel.context_projected`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import weakref
+from importlib.metadata import version
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, sharded_load
+
+from .drafter import DFlashDraftModel
+from .formats.quantize import DraftQuant
+from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
+from .target import Capture, Target
+
+MODES = ("pipeline", "tensor")
+CONNECT_TIMEOUT = 60.0  # seconds to reach the other processes and agree on what they loaded
+# what rank 0 asks of the others
+START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP = range(1, 9)
+_FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
+MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, message: str):
+    """End this process with `message` on stderr if the block still runs after `seconds`. The calls it guards
+    (connecting, the first exchanges) block inside MLX, where no Python thread or signal handler runs, so a
+    watchdog process ends it (SIGKILL)."""
+    me = os.getpid()
+    code = (f"import os, signal, sys, time\ntime.sleep({float(seconds)!r})\nif os.getppid() == {me}:\n"
+            f"    sys.stderr.write({message!r} + '\\n')\n    sys.stderr.flush()\n    os.kill({me}, signal.SIGKILL)\n")
+    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+def init_group(backend: str = "any", timeout: float = CONNECT_TIMEOUT) -> mx.distributed.Group:
+    """The group of the processes `mlx.launch` started (at least two). A process that cannot reach the others
+    within `timeout` seconds ends with a message naming the hostfile."""
+    hostfile = os.environ.get("MLX_HOSTFILE", "none given")
+    message = (f"dflash2: error: rank {os.environ.get('MLX_RANK', '?')} got no answer from the other processes "
+               f"within {timeout:g} s (hostfile: {hostfile}); check that every host in it is up and reachable, "
+               "and that each was started with the same command (mlx.launch starts them all)")
+    with deadline(timeout, message):
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"could not connect the processes (MLX distributed, {backend} backend; hostfile: {hostfile}): {e}. "
+                "Start every process with mlx.launch: `mlx.launch --hostfile hosts.json -- python -m "
+                "dflash2_apps.cli generate ...` (or `mlx.launch -n 2 ...` on one machine)"
+            ) from e
+    if group.size() < 2:
+        raise ValueError("a sharded target needs at least two processes, and this one is alone: start them with "
+                         "mlx.launch (--hostfile hosts.json, or -n 2 on one machine)")
+    return group
+
+
+def check_same(group: mx.distributed.Group, items: dict[str, str], timeout: float = CONNECT_TIMEOUT) -> None:
+    """Every rank must hold the same `items` (name -> text, e.g. a checksum): a rank that differs from rank 0 is
+    an error, raised on every rank."""
+    digests = b"".join(hashlib.sha256(text.encode()).digest() for text in items.values())
+    mine = mx.array(np.frombuffer(digests, np.uint8).astype(np.int32))[None]
+    with deadline(timeout, f"dflash2: error: the other processes did not answer within {timeout:g} s while "
+                  "comparing what each loaded"):
+        every = np.array(mx.distributed.all_gather(mine, group=group))
+    every = every.reshape(group.size(), len(items), 32)
+    for j, name in enumerate(items):
+        differ = [r for r in range(group.size()) if (every[r, j] != every[0, j]).any()]
+        if differ:
+            raise ValueError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} loaded a different "
+                             f"{name} from rank 0's: every process must load the same files")
+
+
+def drafter_checksum(drafter: DFlashDraftModel) -> str:
+    """The drafter's config, weights (as loaded, names included) and draft vocabulary, hashed."""
+    h = hashlib.sha256(json.dumps(drafter.config.to_hf_dict(), sort_keys=True).encode())
+    for name, weight in sorted(tree_flatten(drafter.parameters()), key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(np.array(weight.astype(mx.float32) if weight.dtype == mx.bfloat16 else weight).tobytes())
+    if drafter.draft_vocab is not None:
+        h.update(np.asarray(drafter.draft_vocab, np.int64).tobytes())
+    return h.hexdigest()
+
+
+def check_shardable(model: nn.Module, mode: str) -> None:
+    """Refuse a model mlx-lm cannot shard the way asked, naming the way it can."""
+    pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    tensor = hasattr(model, "shard")
+    kind = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    if mode not in MODES:
+        raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
+    if (mode == "pipeline" and pipeline) or (mode == "tensor" and tensor):
+        return
+    other = ("--tensor-parallel" if tensor else None) if mode == "pipeline" else ("--pipeline" if pipeline else None)
+    how = "no model.model.pipeline()" if mode == "pipeline" else "no model.shard()"
+    raise ValueError(f"mlx-lm {version('mlx-lm')} cannot shard {kind} models {mode}-parallel ({how}); "
+                     + (f"use {other} instead" if other else "it cannot shard this architecture at all"))
+
+
+class ShardedCache(list):
+    """One process's cache of a sharded target; `key` names it to the other processes."""
+
+    key = -1
+
+
+class ShardedCapture(Capture):
+    """`Capture` on a sharded target: rank 0 announces each forward and rollback to the other ranks, and the
+    features are the drafter's context rows [L, D] (`ShardedTarget.project`)."""
+
+    def forward(self, tokens: mx.array, cache: list):
+        return self._forward(self.target.lead(FORWARD, cache, tokens), cache)
+
+    def verify(self, tokens: mx.array, cache: list):
+        return super().verify(self.target.lead(VERIFY, cache, tokens), cache)
+
+    def rollback(self, cache: list, verified, keep: int) -> None:
+        if not 0 <= keep <= verified.rows:  # refused before the other ranks are told
+            raise ValueError(f"cannot keep {keep} rows of a {verified.rows}-row verify pass")
+        self.target.lead(ROLLBACK, cache, count=keep)
+        super().rollback(cache, verified, keep)
+
+    def _trim(self, cache: list, n: int) -> None:
+        Target._trim(cache, n)  # part of the rollback announced
+
+    def _forward(self, tokens: mx.array, cache: list):
+        logits = self.target.model(tokens[None], cache=cache)[0]
+        features = self.target.project(self._features(), logits)
+        self.target._finish_later(logits, features)
+        return logits, features
+
+
+class ShardedTarget(Target):
+    """This process's part of a sharded target (`load`). On rank 0 it is what `stream_generate` takes as its
+    model (with the drafter, bound by `load`); the other ranks `follow` it."""
+
+    def __init__(self, model: nn.Module, group: mx.distributed.Group, mode: str,
+                 drafter: DFlashDraftModel | None = None):
+        super().__init__(model, drafter.config.target_layer_ids if drafter is not None else ())
+        if mode not in MODES:
+            raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
+        if group.size() < 2:
+            raise ValueError("a sharded target needs a group of at least two processes")
+        self.group, self.mode, self.rank = group, mode, group.rank()
+        self.leader = self.rank == 0
+        self._keys = itertools.count()
+        self._freed: list[int] = []  # keys of rank 0's caches gone, for the others to drop
+        self._pending: list[mx.array] = []  # rank 0: the last operation's results, finished before the next
+        self._fc, self._dtype = None, None
+        if drafter is not None:
+            self._fc, self._dtype = self._fc_columns(drafter), drafter.norm.weight.dtype
+            drafter.context_projected = True
+
+    def _fc_columns(self, drafter: DFlashDraftModel) -> mx.array | None:
+        """The columns of the drafter's `fc` this process applies: those of the tapped layers it holds
+        (pipeline), or all of them on rank 0 (tensor parallel); None where it applies none."""
+        fc = drafter.fc
+        if isinstance(fc, nn.QuantizedLinear):
+            weight = mx.dequantize(fc.weight, fc.scales, fc.get("biases"), fc.group_size, fc.bits, mode=fc.mode)
+        else:
+            weight = fc.weight
+        weight, D = weight.astype(drafter.norm.weight.dtype), self.hidden_size
+        if self.mode == "tensor":
+            return weight if self.leader else None
+        columns = [weight[:, j * D : (j + 1) * D] for j, i in enumerate(self.layer_ids) if self.holds(i)]
+        return mx.concatenate(columns, axis=1) if columns else None
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"{super().fingerprint()} {self.mode} x{self.group.size()}".encode())
+        return h.hexdigest()[:12]
+
+    # -- what rank 0 tells the others ----------------------------------------------------------------------------
+    def _broadcast(self, x: mx.array) -> mx.array:
+        """Rank 0's `x` on every rank (the others pass an array of its shape)."""
+        return mx.distributed.all_sum(x if self.leader else mx.zeros_like(x), group=self.group)
+
+    def lead(self, op: int, cache: list | None, tokens: mx.array | None = None, count: int = 0) -> mx.array | None:
+        """Rank 0: announce `op` on `cache` to the other ranks, with `tokens`; returns the tokens (evaluated).
+        Other ranks (which read the announcement in `follow`): `tokens` as they are."""
+        if not self.leader:
+            return tokens
+        key = -1 if cache is None else getattr(cache, "key", None)
+        if key is None:
+            raise RuntimeError("a sharded target runs on caches it made itself (its make_cache)")
+        if self._pending:  # the last operation's collectives, before this one's (the other ranks ran them)
+            mx.eval(self._pending)
+            self._pending = []
+        n = count if tokens is None else tokens.size
+        ids = mx.zeros((0,), mx.int32) if tokens is None else tokens.reshape(-1).astype(mx.int32)
+        inline = ids if n <= MESSAGE_IDS else ids[:0]
+        message = mx.concatenate([mx.array([op, key, n], mx.int32), inline,
+                                  mx.zeros((MESSAGE_IDS - inline.size,), mx.int32)])
+        mx.eval(self._broadcast(message))
+        if n > MESSAGE_IDS and tokens is not None:
+            mx.eval(self._broadcast(ids))
+        return tokens  # computed with the message
+
+    def receive(self) -> tuple[int, int, int, mx.array | None]:
+        """Another rank: rank 0's next announcement (op, cache key, count) and the ids it sends with it."""
+        message = self._broadcast(mx.zeros((3 + MESSAGE_IDS,), mx.int32))
+        op, key, n = message[:3].tolist()
+        if op not in _FED:
+            return op, key, n, None
+        ids = message[3 : 3 + n] if n <= MESSAGE_IDS else self._broadcast(mx.zeros((n,), mx.int32))
+        return op, key, n, ids.astype(mx.uint32)
+
+    # -- the target's operations -----------------------------------------------------------------------------------
+    def make_cache(self) -> ShardedCache:
+        cache = ShardedCache(super().make_cache())
+        if self.leader:
+            freed = []
+            while self._freed:  # emptied in place: the finalizers of live caches append to this list
+                freed.append(self._freed.pop())
+            if freed:
+                self.lead(FREE, None, mx.array(freed, mx.int32))
+            cache.key = next(self._keys)
+            self.lead(START, cache)
+            weakref.finalize(cache, self._freed.append, cache.key)
+        return cache
+
+    def _trim(self, cache: list, n: int) -> None:
+        """`Target._trim`, announced (a prompt cache cut back to the prefix a new prompt shares)."""
+        self.lead(TRIM, cache, count=n)
+        Target._trim(cache, n)
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        logits = super().__call__(self.lead(PLAIN, cache, tokens), cache)
+        self._finish_later(logits)
+        return logits
+
+    def _finish_later(self, *results) -> None:
+        """Rank 0: results of an operation to evaluate before the next one is announced at the latest."""
+        if self.leader:
+            self._pending += [r for r in results if r is not None]
+
+    def _capture(self) -> Capture:
+        return ShardedCapture(self)
+
+    def project(self, features: mx.array | None, logits: mx.array) -> mx.array | None:
+        """The drafter's context rows [L, D] of a forward (its `fc` of the whole concatenated features) on
+        rank 0, from this process's tapped `features` [1, L, k'*D] and the forward's `logits` [L, V]. Pipeline:
+        every rank's share, summed (after the forward's own exchanges, in the same order on every rank)."""
+        if self._fc is None and (self.mode == "tensor" or not self.layer_ids):
+            return None
+        if self.mode == "tensor":
+            return features[0].astype(self._dtype) @ self._fc.T
+        share = (mx.zeros((logits.shape[0], self.hidden_size), self._dtype) if features is None
+                 else features[0].astype(self._dtype) @ self._fc.T)
+        return mx.distributed.all_sum(mx.depends(share, logits), group=self.group)
+
+
+@contextlib.contextmanager
+def leading(target: ShardedTarget):
+    """Rank 0's generations, inside the block; on leaving it (also on an error) the other ranks stop following."""
+    if not target.leader:
+        raise RuntimeError("only rank 0 leads; the other ranks follow (distributed.follow)")
+    try:
+        yield target
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # the others may be gone (the error itself may say so)
+            target.lead(STOP, None)
+        raise
+    target.lead(STOP, None)
+
+
+def follow(target: ShardedTarget) -> None:
+    """The other ranks' loop: run each target operation rank 0 announces, on this process's share of the
+    target, until rank 0 leaves `leading`."""
+    if target.leader:
+        raise RuntimeError("rank 0 leads (distributed.leading); follow() is for the other ranks")
+    caches: dict[int, ShardedCache] = {}
+    verified: dict = {}  # cache key -> its last verify pass
+    with target.capture() as tap:
+        while True:
+            op, key, n, ids = target.receive()
+            if op == STOP:
+                return
+            if op == START:
+                caches[key] = target.make_cache()
+            elif op == FREE:
+                for k in ids.tolist():
+                    caches.pop(k, None)
+                    verified.pop(k, None)
+            elif op == FORWARD:
+                mx.eval([a for a in tap.forward(ids, caches[key]) if a is not None])
+            elif op == VERIFY:
+                verified[key] = v = tap.verify(ids, caches[key])
+                mx.eval([a for a in (v.logits, v.features) if a is not None])
+            elif op == PLAIN:
+                mx.eval(target(ids, caches[key]))
+            elif op == ROLLBACK:
+                tap.rollback(caches[key], verified[key], n)
+            elif op == TRIM:
+                target._trim(caches[key], n)
+            else:
+                raise RuntimeError(f"rank 0 asked for operation {op}, which this version does not know: run the same "
+                                   "version of dflash2 in every process")
+
+
+def load(
+    model: str,
+    draft_model: str | None,
+    group: mx.distributed.Group,
+    mode: str = "pipeline",
+    dtype: str | None = None,
+    draft_dtype: str | None = None,
+    draft_quant=None,
+    draft_vocab: int | None = None,
+    draft_vocab_counts: str | None = None,
+    kernels: str = "auto",
+    timeout: float = CONNECT_TIMEOUT,
+):
+    """(this process's `ShardedTarget`, tokenizer, drafter or None), arguments as `loading.load`'s: the target
+    (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load`, and the drafter
+    (every process loads it whole: rank 0 runs it, every rank applies its share of `fc`). The processes first
+    check that they load the same drafter and target config (within `timeout` seconds)."""
+    if model is None or str(model).endswith(".gguf"):
+        raise ValueError("a sharded target is an mlx-lm model folder or hub id (mlx-lm's sharded_load); "
+                         f"got {model or 'none (--model)'}: convert a GGUF file with mlx_lm.convert first")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    config_path = resolve_path(model, allow_patterns=["*.json"])
+    lazy, config = load_model(config_path, lazy=True, strict=False)
+    check_shardable(lazy, mode)
+    del lazy
+    if mode == "pipeline" and not (config_path / "model.safetensors.index.json").exists():
+        raise ValueError(f"{model} has no model.safetensors.index.json, which mlx-lm's pipeline loading reads to "
+                         "find each process's layers; save the model with mlx_lm.convert (or write the index)")
+    drafter = None
+    if draft_model is not None:
+        if isinstance(draft_quant, str):
+            draft_quant = DraftQuant.parse(draft_quant)
+        drafter = load_drafter(draft_model, draft_dtype, draft_quant, draft_vocab, draft_vocab_counts, kernels)
+    check_same(group, {
+        "drafter": drafter_checksum(drafter) if drafter is not None else "no drafter",
+        "target config": json.dumps(config, sort_keys=True),
+        "sharding": f"{mode} {dtype}",
+    }, timeout)
+    target_model, tokenizer = sharded_load(model, pipeline_group=group if mode == "pipeline" else None,
+                                           tensor_group=group if mode == "tensor" else None)
+    if dtype is not None:
+        target_model.set_dtype(getattr(mx, dtype))
+    if drafter is not None:
+        bind_drafter(drafter, target_model)
+    return ShardedTarget(target_model, group, mode, drafter), tokenizer, drafter

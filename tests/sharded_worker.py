@@ -1,0 +1,84 @@
+"""One process of the two-process runs of test_distributed.py (started with MLX_RANK and MLX_HOSTFILE set).
+
+    python tests/sharded_worker.py JOBS.json OUT_DIR
+
+For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings;
+optionally prompts to run through one prompt cache, and the target's greedy continuation to script drafts from)
+every rank loads its share of the target and the drafter; rank 0 generates (the other ranks follow) and writes
+OUT_DIR/<name>.json (the tokens of each run) and OUT_DIR/<name>-context.npy (the context rows the drafter was
+handed during the first run, in order); every rank writes OUT_DIR/<name>-rank<r>.json (the group's size, the
+layers it holds and the drafter's among them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from dflash2_mlx import PromptCache, distributed, generate
+from dflash2_mlx.sampling import Proposal
+
+
+def scripted(sequence: list[int], seed: int):
+    """A `propose` that drafts the next tokens of `sequence` (the prompt and the target's greedy continuation),
+    wrong from a random position of each block on: every acceptance length occurs."""
+    rng, seen = random.Random(seed), [0]
+
+    def propose(block, context, cache, params, walk="greedy"):
+        seen[0] += context.shape[1]  # rows committed before the anchor
+        n = block.shape[1] - 1
+        right = sequence[seen[0] + 1 : seen[0] + 1 + n]
+        right += [0] * (n - len(right))
+        cut = rng.randint(0, n)
+        drafts = right[:cut] + [(t + 1) % 256 for t in right[cut:]]
+        return Proposal(mx.array(drafts, mx.uint32), None, None, mx.array(True))
+
+    return propose
+
+
+def main(jobs_file: str, out_dir: str) -> None:
+    jobs, out = json.loads(Path(jobs_file).read_text()), Path(out_dir)
+    group = distributed.init_group("ring", timeout=60)
+    for job in jobs:
+        target, tokenizer, drafter = distributed.load(job["target"], job["drafter"], group, job["mode"],
+                                                      dtype="float32", kernels="mlx")
+        share = {"size": group.size(), "first_layer": target.first_layer, "layers": len(target.layers),
+                 "held": list(target.held_ids)}
+        (out / f"{job['name']}-rank{group.rank()}.json").write_text(json.dumps(share))
+        if group.rank() != 0:
+            distributed.follow(target)
+            continue
+        contexts, draft_rows = [], drafter.draft_rows
+
+        def spy(block, context, cache):
+            contexts.append(np.array(context[0]))
+            return draft_rows(block, context, cache)
+
+        drafter.draft_rows = spy
+        runs = []
+        with distributed.leading(target):
+            for settings in job["runs"]:
+                result = generate(target, tokenizer, job["prompt"], drafter, **settings)
+                runs.append({"tokens": result.tokens, "accepted": result.accepted})
+                drafter.draft_rows = draft_rows  # the contexts of the first run only
+            if job.get("cached"):  # consecutive prompts through one prompt cache (a shared prefix reused)
+                cache = PromptCache()
+                for prompt in job["cached"]:
+                    result = generate(target, tokenizer, prompt, drafter, prompt_cache=cache, **job["runs"][0])
+                    runs.append({"tokens": result.tokens, "accepted": result.accepted, "reused": cache.reused})
+            if job.get("script"):  # greedy, drafts scripted from the target's known continuation
+                drafter.propose = scripted(job["prompt"] + job["script"], job.get("spoil_seed", 0))
+                result = generate(target, tokenizer, job["prompt"], drafter, max_tokens=len(job["script"]),
+                                  verify_mode="dflash", eos_token_ids=[])
+                runs.append({"tokens": result.tokens, "accepted": result.accepted})
+        np.save(out / f"{job['name']}-context.npy", np.concatenate(contexts))
+        (out / f"{job['name']}.json").write_text(json.dumps({"runs": runs}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,419 @@
+"""A target sharded over two processes on this machine (MLX distributed, ring backend on 127.0.0.1): pipeline
+parallel (a tiny qwen2 and a tiny hybrid qwen3_5) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
+drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
+
+All the two-process generations run in one launch of `sharded_worker.py` (module fixture); every launch is
+bounded by a timeout, and the group's size is checked (a group of one would make every collective a no-op)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
+    save_tokenizer
+from dflash2_mlx import PromptCache, generate, load
+from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "sharded_worker.py"
+LAUNCH_TIMEOUT = 300  # seconds for one two-process launch (the matrix takes ~30 s on 2 busy cores)
+PROMPT = [1] + [6 + (10 + 7 * i) % 240 for i in range(79)]  # 80 ids: more than one announcement carries
+TOKENS = 24
+# case -> (target architecture, sharding, drafter); the hybrid tensor-parallel case: each process holds a slice of
+# every recurrent state too, and rolls back its slice
+CASES = {f"{arch}-{kind}": (arch, mode, kind) for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"),
+                                                                 ("qwen3", "tensor")) for kind in ("v1", "dflash2")}
+CASES["qwen3_5-tensor-v1"] = ("qwen3_5", "tensor", "v1")
+GREEDY = dict(max_tokens=TOKENS, verify_mode="dflash", block_size=4, eos_token_ids=[])
+SAMPLED = dict(GREEDY, temp=2.0, seed=3)
+# consecutive prompts through one prompt cache: the second shares 50 tokens with the first, whose caches are cut
+# back to them (KV caches trimmed in every process; the hybrid target starts afresh)
+CACHED = [PROMPT, PROMPT[:50] + [20, 21, 22, 23, 24]]
+# `python -m dflash2_apps.cli` from this checkout's apps/ (an editable install may map the package elsewhere)
+CLI = [sys.executable, "-c", "import importlib.util, sys; apps = sys.argv.pop(1); spec = importlib.util."
+       "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
+       "sys.modules['dflash2_apps'] = importlib.util.module_from_spec(spec); spec.loader.exec_module("
+       "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())", str(ROOT / "apps")]
+# run by the qwen2 v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
+# decoding
+EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
+         dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch(commands: list[list[str]], folder: Path, timeout: float = LAUNCH_TIMEOUT, ranks=None) -> list[dict]:
+    """Run one process per command as ranks 0.. of a ring over 127.0.0.1 (only `ranks` of them, if given: the
+    others never come); returns each one's returncode, stdout and stderr. Fails the test if any outlives
+    `timeout`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hostfile = folder / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(commands))]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    procs = []
+    for rank, command in enumerate(commands):
+        if ranks is not None and rank not in ranks:
+            continue
+        out, err = open(folder / f"out{rank}.txt", "w"), open(folder / f"err{rank}.txt", "w")
+        procs.append((rank, subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}, stdout=out, stderr=err,
+                                             cwd=ROOT), out, err))
+    end, hung = time.monotonic() + timeout, []
+    for rank, proc, out, err in procs:
+        try:
+            proc.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+    results = [{"rank": rank, "returncode": proc.returncode, "stdout": (folder / f"out{rank}.txt").read_text(),
+                "stderr": (folder / f"err{rank}.txt").read_text()} for rank, proc, _, _ in procs]
+    if hung:
+        pytest.fail(f"ranks {hung} still ran after {timeout} s: {results}")
+    return results
+
+
+def save_indexed(folder: Path, model, config: dict) -> Path:
+    """An mlx-lm model folder with the weight index `sharded_load` reads for pipelines."""
+    folder.mkdir(parents=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    save_tokenizer(folder)
+    return folder
+
+
+def build_folders(root: Path) -> dict:
+    """(target folder, drafter folder) of every (architecture, drafter kind)."""
+    folders = {}
+    for arch in ("qwen2", "qwen3_5", "qwen3"):
+        if arch == "qwen3_5":
+            hybrid = make_hybrid("qwen3_5")
+            target = save_indexed(root / arch, hybrid, hybrid.args_config)
+        else:
+            target = save_target(root / arch, arch)
+            weights = mx.load(str(target / "model.safetensors"))
+            (target / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+        model, _ = load_model(target)
+        for kind, make in (("v1", make_drafter), ("dflash2", make_dflash2_drafter)):
+            drafter = make(model, block_size=8, mask_token_id=5)  # reads target layers 1 and 3 (of 0..3)
+            folders[arch, kind] = (target, save_drafter(root / f"{arch}-{kind}", drafter))
+    return folders
+
+
+def mlx_lm_greedy(target: Path) -> list[int]:
+    """The target's greedy continuation of PROMPT by mlx-lm's own decoding loop."""
+    model, _ = load_model(target)
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=TOKENS, sampler=lambda x: mx.argmax(x, axis=-1))
+    return [int(token) for token, _ in steps]
+
+
+def unsharded(target: Path, drafter_dir: Path) -> dict:
+    """The same generations in one process, and the drafter's context (fc of its features, by NumPy)."""
+    model, tokenizer, drafter = load(str(target), str(drafter_dir), dtype="float32", kernels="mlx")
+    features, draft_rows = [], drafter.draft_rows
+
+    def spy(block, context, cache):
+        features.append(np.array(context[0], np.float64))
+        return draft_rows(block, context, cache)
+
+    drafter.draft_rows = spy
+    greedy = generate(model, tokenizer, PROMPT, drafter, **GREEDY).tokens
+    drafter.draft_rows = draft_rows
+    sampled = generate(model, tokenizer, PROMPT, drafter, **SAMPLED).tokens
+    cache, cached = PromptCache(), []
+    for prompt in CACHED:
+        cached.append([generate(model, tokenizer, prompt, drafter, prompt_cache=cache, **GREEDY).tokens, cache.reused])
+    fc = np.array(drafter.fc.weight, np.float64)
+    return {"greedy": greedy, "sampled": sampled, "cached": cached, "context": np.concatenate(features) @ fc.T}
+
+
+def run_matrix(root: Path) -> None:
+    """Every case run by two processes (one launch) into root/out, and its references into root/references."""
+    folders = build_folders(root / "models")
+    jobs, alone = [], {}
+    for case, (arch, mode, kind) in CASES.items():
+        target, drafter = folders[arch, kind]
+        if (arch, kind) not in alone:
+            alone[arch, kind] = {"mlx_lm": mlx_lm_greedy(target), **unsharded(target, drafter)}
+        reference = alone[arch, kind]
+        (root / "references").mkdir(exist_ok=True)
+        np.save(root / "references" / f"{case}-context.npy", reference["context"])
+        (root / "references" / f"{case}.json").write_text(
+            json.dumps({k: v for k, v in reference.items() if k != "context"}))
+        runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-v1" else [])
+        jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=PROMPT, runs=runs,
+                         cached=CACHED, script=reference["mlx_lm"]))
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    (root / "out").mkdir()
+    command = [sys.executable, str(WORKER), str(root / "jobs.json"), str(root / "out")]
+    results = launch([command, command], root / "launch")
+    assert [r["returncode"] for r in results] == [0, 0], results
+    (root / "done").touch()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """(what the two processes wrote, the references) of every case. Under pytest-xdist the workers share one
+    launch: the first to get here runs it, the others read its files."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from filelock import FileLock
+
+        root = tmp_path_factory.getbasetemp().parent / "sharded-matrix"  # this run's, shared by its workers
+        root.mkdir(exist_ok=True)
+        with FileLock(str(root) + ".lock"):
+            if not (root / "done").exists():
+                run_matrix(root)
+    else:
+        root = tmp_path_factory.mktemp("sharded")
+        run_matrix(root)
+    out, refs = root / "out", root / "references"
+    found, references = {}, {}
+    for case in CASES:
+        found[case] = {
+            "ranks": [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in (0, 1)],
+            "runs": json.loads((out / f"{case}.json").read_text())["runs"],
+            "context": np.load(out / f"{case}-context.npy"),
+        }
+        references[case] = {**json.loads((refs / f"{case}.json").read_text()),
+                             "context": np.load(refs / f"{case}-context.npy")}
+    return found, references
+
+
+def test_two_processes_each_hold_a_share(sharded):
+    found, _ = sharded
+    for case, result in found.items():
+        assert [r["size"] for r in result["ranks"]] == [2, 2], case  # a group of one would test nothing
+        assert len(PROMPT) > MESSAGE_IDS  # the prompt's ids follow their announcement
+        rank0, rank1 = result["ranks"]
+        if CASES[case][1] == "pipeline":
+            # mlx-lm's pipeline: rank 1 runs layers 0-1, rank 0 layers 2-3; the drafter reads layers 1 and 3
+            assert (rank1["first_layer"], rank1["layers"], rank1["held"]) == (0, 2, [1]), case
+            assert (rank0["first_layer"], rank0["layers"], rank0["held"]) == (2, 2, [3]), case
+        else:
+            assert rank0["held"] == rank1["held"] == [1, 3] and rank0["layers"] == rank1["layers"] == 4, case
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_one_process(sharded, case):
+    found, references = sharded
+    greedy = found[case]["runs"][0]["tokens"]
+    assert len(greedy) == TOKENS
+    assert greedy == references[case]["greedy"] == references[case]["mlx_lm"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_scripted_drafts_are_accepted_and_rolled_back(sharded, case):
+    """Drafts right up to a random position: every acceptance length, each cycle's rejected rows rolled back
+    in both processes (recurrent layers too), and the output still mlx-lm's greedy text."""
+    found, references = sharded
+    scripted = found[case]["runs"][-1]
+    assert scripted["tokens"] == references[case]["mlx_lm"]
+    assert sum(scripted["accepted"]) >= TOKENS // 3 and {0, 3} <= set(scripted["accepted"]), scripted["accepted"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_matches_one_process(sharded, case):
+    """The drafter's context rows (its fc of the tapped layers' outputs, summed over the processes that hold them
+    in a pipeline) against NumPy's fc of the one-process features, row by row over the whole greedy run."""
+    found, references = sharded
+    got, want = found[case]["context"], references[case]["context"]
+    assert got.shape == want.shape and got.shape[0] >= len(PROMPT) + TOKENS - 2
+    scale = np.abs(want).max()
+    assert scale > 1.0  # rows of some size: the bound below is not met by near-zero rows
+    # float32 rounding of values up to ~10 (the sums in another order; tensor parallel: the target's own
+    # sharded matmuls too): measured 2.6e-6 (pipeline) and 9.2e-6 (tensor parallel) at most
+    assert np.abs(got - want).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_matches_one_process(sharded, case):
+    found, references = sharded
+    sampled = found[case]["runs"][1]
+    assert sampled["tokens"] == references[case]["sampled"]
+    assert sampled["tokens"] != references[case]["greedy"]  # it sampled
+    if CASES[case][2] == "v1":  # at T = 2 the random v1 drafters get drafts accepted: rollbacks of part of a block
+        assert sum(sampled["accepted"]) > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_cache_reuse_matches_one_process(sharded, case):
+    found, references = sharded
+    cached = [[run["tokens"], run["reused"]] for run in found[case]["runs"][-1 - len(CACHED) : -1]]
+    assert cached == references[case]["cached"]
+    assert cached[1][1] == (0 if CASES[case][0] == "qwen3_5" else 50)
+
+
+def test_adaptive_and_plain_decoding(sharded):
+    """Adaptive mode (its cost measurement on two caches, plain runs) and plain decoding on the pipeline."""
+    found, references = sharded
+    adaptive, plain = found["qwen2-v1"]["runs"][2:4]
+    assert adaptive["tokens"] == plain["tokens"] == references["qwen2-v1"]["mlx_lm"]
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_no_answer_from_the_hostfile_ends_with_a_message(tmp_path):
+    """Rank 0 of two, and rank 1 never starts: the process ends within its connect timeout, naming the hostfile."""
+    code = "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=3)"
+    tic = time.monotonic()
+    [result] = launch([[sys.executable, "-c", code]] * 2, tmp_path, timeout=60, ranks=[0])
+    assert time.monotonic() - tic < 30
+    assert result["returncode"] != 0
+    assert "got no answer from the other processes within 3 s" in result["stderr"]
+    assert "hosts.json" in result["stderr"]
+
+
+def test_a_lone_process_is_refused(tmp_path):
+    code = ("import os; [os.environ.pop(k, None) for k in ('MLX_RANK', 'MLX_HOSTFILE')]\n"
+            "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=30)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode != 0 and "Start every process with mlx.launch" in run.stderr
+    with pytest.raises(ValueError, match="at least two processes"):
+        ShardedTarget(make_target("qwen2"), mx.distributed.init(), "pipeline")
+
+
+def test_ranks_with_different_drafters_are_refused(tmp_path):
+    """Each rank given another drafter: both stop at the start with the same clear error, no hang."""
+    target = save_target(tmp_path / "target", "qwen3")
+    model, _ = load_model(target)
+    drafters = [save_drafter(tmp_path / f"d{seed}", make_drafter(model, seed=seed, block_size=8, mask_token_id=5))
+                for seed in (1, 2)]
+    commands = [[*CLI, "generate", "--model", str(target), "--draft-model",
+                 str(d), "--tensor-parallel", "--backend", "ring", "--connect-timeout", "60"] for d in drafters]
+    results = launch(commands, tmp_path / "launch", timeout=120)
+    for r in results:
+        assert r["returncode"] == 2, r
+        assert "rank 1 loaded a different drafter from rank 0's" in r["stderr"], r
+
+
+def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
+    """Rank 1 killed while rank 0 generates: rank 0 stops at its next exchange with the ring's own message."""
+    model_dir = tmp_path / "models"
+    target = save_target(model_dir / "qwen2", "qwen2")
+    weights = mx.load(str(target / "model.safetensors"))
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    model, _ = load_model(target)
+    drafter = save_drafter(model_dir / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
+    jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT,
+                 runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "out").mkdir()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
+    procs = [subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in (0, 1)]
+    try:
+        end = time.monotonic() + 120
+        while not (tmp_path / "out" / "long-rank1.json").exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        time.sleep(2)  # generating by now
+        assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode != 0
+    assert "connection to a peer was lost" in err.splitlines()[-1], err[-2000:]
+
+
+def test_architectures_mlx_lm_cannot_shard_are_refused():
+    import mlx.nn as nn
+
+    with pytest.raises(ValueError, match=r"cannot shard qwen3 models pipeline-parallel .*use --tensor-parallel"):
+        check_shardable(make_target("qwen3"), "pipeline")
+    check_shardable(make_target("qwen3"), "tensor")
+    check_shardable(make_target("qwen2"), "pipeline")
+    with pytest.raises(ValueError, match="cannot shard this architecture at all"):
+        check_shardable(nn.Linear(2, 2), "tensor")
+
+
+def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
+    """`mlx.launch -n 2 -- python -m dflash2_apps.cli generate ... --pipeline`: one JSON line (rank 0's), the
+    tokens of the same command in one process."""
+    target = save_target(tmp_path / "target", "qwen2")
+    weights = mx.load(str(target / "model.safetensors"))
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    model, _ = load_model(target)
+    drafter = save_drafter(tmp_path / "drafter", make_dflash2_drafter(model, block_size=8, mask_token_id=5))
+    flags = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "w1 w2 w3",
+             "--max-tokens", "12", "--verify-mode", "dflash", "--json", "--kernels", "mlx"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    alone = subprocess.run([*CLI, *flags], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert alone.returncode == 0, alone.stderr
+    alone = json.loads(alone.stdout)
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx.launch (installed with mlx) is not on the PATH"
+    command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(1)[0]), "--",
+               *CLI, *flags, "--pipeline", "--backend", "ring"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 1, run.stdout  # rank 1 prints nothing
+    assert json.loads(lines[0])["tokens"] == alone["tokens"] and len(alone["tokens"]) > 0
+
+
+class FakeGroup:
+    """What mlx-lm's `pipeline()` reads of a group: its rank and size (no collective is run here)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
+def test_a_pipeline_stage_counts_layers_from_the_config_and_taps_its_own(arch):
+    from dflash2_mlx.target import Target
+
+    for rank, first, held, recurrent in [(0, 2, (3,), [2]), (1, 0, (1,), [0])]:
+        model = make_hybrid(arch) if arch == "qwen3_5" else make_target(arch)
+        model.model.pipeline(FakeGroup(rank, 2))  # rank 0 runs the last layers, as mlx-lm splits them
+        target = Target(model, (1, 3))
+        assert (target.num_layers, target.first_layer, len(target.layers), target.held_ids) == (4, first, 2, held)
+        assert sorted(target.recurrent) == (recurrent if arch == "qwen3_5" else [])
+        cache = target.make_cache()  # the stage's own layers only
+        assert len(cache) == 2
+        with target.capture():
+            tapped = [first + j for j, layer in enumerate(target.layers) if "_dflash_tap" in layer.__dict__]
+        assert tapped == list(held)
+    with pytest.raises(ValueError, match="has only 4 layers"):
+        Target(model, (1, 4))
