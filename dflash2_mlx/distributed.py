@@ -26,9 +26,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
-import subprocess
-import sys
 import weakref
 from importlib.metadata import version
 
@@ -41,6 +38,7 @@ from mlx_lm.utils import load_model, sharded_load
 from .drafter import DFlashDraftModel
 from .formats.quantize import DraftQuant
 from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
+from .peers import connect, deadline
 from .target import Capture, Target
 
 MODES = ("pipeline", "tensor")
@@ -51,38 +49,10 @@ _FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
 MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, message: str):
-    """End this process with `message` on stderr if the block still runs after `seconds`. The calls it guards
-    (connecting, the first exchanges) block inside MLX, where no Python thread or signal handler runs, so a
-    watchdog process ends it (SIGKILL)."""
-    me = os.getpid()
-    code = (f"import os, signal, sys, time\ntime.sleep({float(seconds)!r})\nif os.getppid() == {me}:\n"
-            f"    sys.stderr.write({message!r} + '\\n')\n    sys.stderr.flush()\n    os.kill({me}, signal.SIGKILL)\n")
-    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        watchdog.kill()
-        watchdog.wait()
-
-
 def init_group(backend: str = "any", timeout: float = CONNECT_TIMEOUT) -> mx.distributed.Group:
     """The group of the processes `mlx.launch` started (at least two). A process that cannot reach the others
     within `timeout` seconds ends with a message naming the hostfile."""
-    hostfile = os.environ.get("MLX_HOSTFILE", "none given")
-    message = (f"dflash2: error: rank {os.environ.get('MLX_RANK', '?')} got no answer from the other processes "
-               f"within {timeout:g} s (hostfile: {hostfile}); check that every host in it is up and reachable, "
-               "and that each was started with the same command (mlx.launch starts them all)")
-    with deadline(timeout, message):
-        try:
-            group = mx.distributed.init(strict=True, backend=backend)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"could not connect the processes (MLX distributed, {backend} backend; hostfile: {hostfile}): {e}. "
-                "Start every process with mlx.launch: `mlx.launch --hostfile hosts.json -- python -m "
-                "dflash2_apps.cli generate ...` (or `mlx.launch -n 2 ...` on one machine)"
-            ) from e
+    group = connect(timeout, backend, command="generate")
     if group.size() < 2:
         raise ValueError("a sharded target needs at least two processes, and this one is alone: start them with "
                          "mlx.launch (--hostfile hosts.json, or -n 2 on one machine)")

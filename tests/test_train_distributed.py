@@ -27,7 +27,7 @@ from dflash2_mlx.loading import load_target
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import Sample, read_shards, write_shard
-from dflash2_mlx.train.peers import WATCHDOG_EXIT
+from dflash2_mlx.peers import WATCHDOG_EXIT
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
 
@@ -284,9 +284,9 @@ def test_a_rank_whose_peers_never_answer_ends_after_its_timeout(tmp_path, folder
     done = subprocess.run([sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT,
                           env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)))
-    assert done.returncode == 1, done.stderr
+    assert done.returncode != 0, done.stderr
     assert "if one does not answer within 3 s, this process ends" in done.stderr
-    assert "Timeout (0:00:03)" in done.stderr and " in join" in done.stderr
+    assert "got no answer from the other processes within 3 s (hostfile: " in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -47,7 +47,7 @@ from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
 from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
-from .peers import Peers
+from ..peers import Peers
 from .settings import TrainSettings, check_world_size, settle
 
 logger = logging.getLogger(__name__)

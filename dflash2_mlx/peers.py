@@ -1,20 +1,20 @@
-"""The processes of a data-parallel training run (MLX distributed, started by `mlx.launch`), and what keeps a lost
-one from hanging the others.
+"""The processes of one job (MLX distributed, started by `mlx.launch`): joining them, and what keeps a lost one
+from hanging the others. Used by data-parallel training (`train/`) and by a sharded target (`distributed.py`).
 
 A rank that dies ends the others with a clear error: on the ring backend its process's end closes its sockets,
 and the next collective raises "connection to a peer was lost", which `Peers` turns into `PeerLost`. A rank that
 stops answering without closing them (a hung process, a machine gone, a cable pulled) would leave the others
 waiting forever; a watchdog thread ends this process when a collective has waited `timeout` seconds for the
-others. The collective's `mx.eval` lets the watchdog run; `mx.distributed.init` does not (it holds the
-interpreter), so joining is bounded by `faulthandler`'s timer instead.
+others. The collective's `mx.eval` lets that thread run; `mx.distributed.init` and a first exchange do not (they
+hold the interpreter), so those are bounded by a watchdog process instead (`deadline`).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -51,25 +51,49 @@ def world_size() -> int | None:
         return None
 
 
-def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> Peers:
-    """The group of this run's processes (`mx.distributed.init(strict=True)`), or an error naming the problem.
-    A rank that never answers ends this process after `timeout` seconds (with a traceback of where it waited)."""
+@contextmanager
+def deadline(seconds: float, message: str):
+    """End this process with `message` on stderr if the block still runs after `seconds`. The calls it guards
+    (connecting, the first exchanges) block inside MLX, where no Python thread or signal handler runs, so a
+    watchdog process ends it (SIGKILL)."""
+    me = os.getpid()
+    code = (f"import os, signal, sys, time\ntime.sleep({float(seconds)!r})\nif os.getppid() == {me}:\n"
+            f"    sys.stderr.write({message!r} + '\\n')\n    sys.stderr.flush()\n    os.kill({me}, signal.SIGKILL)\n")
+    watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+
+
+def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> Peers:
+    """`connect`, and the collectives of a data-parallel run under the watchdog thread."""
+    return Peers(connect(timeout, backend, command), timeout)
+
+
+def connect(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> mx.distributed.Group:
+    """The group of this job's processes (`mx.distributed.init(strict=True)`), or an error naming the problem and
+    the `dflash2 command` to launch. A process that cannot reach the others within `timeout` seconds ends with a
+    message naming the hostfile."""
     if not mx.distributed.is_available():
         raise ValueError("this MLX build has no distributed backend; install mlx with one (the ring backend is in "
-                         "every macOS and Linux build) or run `dflash2 train` without mlx.launch")
-    logger.info("joining the other ranks: if one does not answer within %.0f s, this process ends (\"Timeout\", "
-                "then where it waited); check that every rank was started and that their addresses are reachable",
-                timeout)
-    faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except RuntimeError as e:
-        raise ValueError(f"could not join the other ranks ({e}); start every rank with `mlx.launch`, e.g. "
-                         "`mlx.launch -n 2 python -m dflash2_apps.cli train ...` on one Mac or "
-                         "`mlx.launch --hostfile hosts.json ...` across Macs") from e
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-    return Peers(group, timeout)
+                         f"every macOS and Linux build) or run `dflash2 {command}` without mlx.launch")
+    hostfile = os.environ.get("MLX_HOSTFILE", "none given")
+    logger.info("joining the other ranks: if one does not answer within %.0f s, this process ends", timeout)
+    message = (f"dflash2: error: rank {os.environ.get('MLX_RANK', '?')} got no answer from the other processes "
+               f"within {timeout:g} s (hostfile: {hostfile}); check that every host in it is up and reachable, "
+               "and that each was started with the same command (mlx.launch starts them all)")
+    with deadline(timeout, message):
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+        except RuntimeError as e:
+            raise ValueError(
+                f"could not connect the processes (MLX distributed, {backend} backend; hostfile: {hostfile}): {e}. "
+                f"Start every process with mlx.launch: `mlx.launch -n 2 python -m dflash2_apps.cli {command} ...` "
+                f"on one Mac, `mlx.launch --hostfile hosts.json -- python -m dflash2_apps.cli {command} ...` across "
+                "Macs") from e
+    return group
 
 
 class Peers:
