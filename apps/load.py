@@ -8,8 +8,9 @@ A turn's latency is from sending the request to the last event; TTFT to the firs
 turn resends the conversation so far (its prompt, the server's reply, a new question), so a server that reuses
 the shared prefix answers it faster; `cached` is the prompt tokens the server says it took from its cache.
 
-`--compare` runs the same clients against `dflash2 serve` and `mlx_lm.server` on the same target, one server after
-the other, at each of `--levels` concurrent clients, and writes a markdown and a JSON report (`--out`):
+`--compare` runs the same clients against `dflash2 serve` and `mlx_lm.server` on the same target, both started once
+and run alternately at each of `--levels` concurrent clients (`--trials` rounds in ABBA order, so a drift in the
+machine's speed weighs on both alike), and writes a markdown and a JSON report (`--out`):
 
     python -m dflash2_apps.load --compare --levels 1,2,4,8 --requests 2 --max-tokens 64 \
         --out runs/smollm2/load-vs-mlx-lm
@@ -192,8 +193,33 @@ def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tup
     return {"dflash2 serve": (dflash, env), "mlx_lm.server": (mlx, mlx_env)}
 
 
+SERVERS = ("dflash2 serve", "mlx_lm.server")
+
+
+def abba(trials: int) -> list[tuple[str, str]]:
+    """The order of the servers in each round: ABBA... (A first in even rounds, B first in odd ones), so a
+    drift in the machine's speed within a level weighs on both servers alike."""
+    return [SERVERS if t % 2 == 0 else SERVERS[::-1] for t in range(trials)]
+
+
+def merge_trials(rounds: list[tuple[list[list[dict]], float, float]]) -> dict:
+    """One server's row at one level from its interleaved rounds (per round: `run_clients`' results, its wall
+    seconds and when it started, in seconds from the first round): throughput as the median of the rounds' (and
+    each round's), counts and walls summed, latency percentiles over every request of every round."""
+    rows = [{**level_summary(results, wall), "start_s": start} for results, wall, start in rounds]
+    pooled = level_summary([[r for results, _, _ in rounds for turn in results for r in turn]],
+                           sum(wall for _, wall, _ in rounds))
+    return {**pooled, "tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
+            "requests_per_s": statistics.median(row["requests_per_s"] for row in rows),
+            "tokens_per_s_pooled": pooled["tokens_per_s"],
+            "trials": [{key: row[key] for key in ("requests", "failed", "start_s", "wall_s",
+                                                  "completion_tokens", "tokens_per_s", "texts")} for row in rows],
+            "texts": rows[0]["texts"]}
+
+
 def compare(args) -> int:
-    """The same clients against both servers, one after the other; a markdown and a JSON report."""
+    """The same clients against both servers, both started once, run alternately (ABBA over `--trials` rounds) at
+    each level; a markdown and a JSON report."""
     prompts = load_suite(args.prompts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -203,8 +229,8 @@ def compare(args) -> int:
               else " ".join(["python -m dflash2_apps.load", *args.argv]),
               "settings": {"levels": args.levels, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
                            "temperature": 0, "prompts": args.prompts, "verify_mode": args.verify_mode or "default",
-                           "serve_args": args.serve_arg},
-              "servers": {}}
+                           "serve_args": args.serve_arg, "trials": args.trials, "order": "ABBA"},
+              "servers": {name: {} for name in SERVERS}, "rounds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         target, _ = target_folder(args.model, None, Path(tmp))
         drafter = str(args.draft_model or default_drafter())
@@ -212,33 +238,62 @@ def compare(args) -> int:
         report["target"] = source if source == target else \
             f"{source} (as the mlx-lm folder both servers load: {target})"
         report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
-        port = free_port()
-        for name, (cmd, env) in server_commands(args, target, drafter, port).items():
-            log = Path(tmp) / f"{name.split()[0]}.log"
-            print(f"[load] starting {name} on port {port}", file=sys.stderr, flush=True)
-            proc = start_server(name, cmd, env, port, log, args.start_timeout)
-            report.setdefault("load_average", {})[name] = {"before": os.getloadavg()}
-            try:
-                chat_turn("127.0.0.1", port, [{"role": "user", "content": prompts[0]}], 8, args.timeout)  # warm-up
-                rows = {}
-                for level in args.levels:
-                    results, wall = run_clients("127.0.0.1", port, level, args.requests, 1, args.max_tokens, prompts,
-                                                args.timeout)
-                    rows[str(level)] = row = level_summary(results, wall)
-                    print(f"[load] {name}, {level} clients: {row['tokens_per_s']:.1f} tokens/s, latency p50 "
-                          f"{fmt(row['latency_p50_s'])} p99 {fmt(row['latency_p99_s'])}, {row['failed']} failed",
-                          file=sys.stderr, flush=True)
-                report["servers"][name] = rows
-            finally:
-                report["load_average"][name]["after"] = os.getloadavg()
+        ports = {name: free_port() for name in SERVERS}
+        commands = {name: server_commands(args, target, drafter, ports[name])[name] for name in SERVERS}
+        logs = {name: Path(tmp) / f"{name.split()[0]}.log" for name in SERVERS}
+        procs: dict[str, subprocess.Popen] = {}
+        try:
+            for name in SERVERS:
+                print(f"[load] starting {name} on port {ports[name]}", file=sys.stderr, flush=True)
+                procs[name] = start_server(name, *commands[name], ports[name], logs[name], args.start_timeout)
+            for name in SERVERS:  # warm-up
+                chat_turn("127.0.0.1", ports[name], [{"role": "user", "content": prompts[0]}], 8, args.timeout)
+            report["load_average"] = {"both servers": {"before": os.getloadavg()}}
+            begin = time.perf_counter()
+            for level in args.levels:
+                rounds: dict[str, list] = {name: [] for name in SERVERS}
+                for order in abba(args.trials):
+                    for name in order:
+                        start = time.perf_counter() - begin
+                        results, wall = run_clients("127.0.0.1", ports[name], level, args.requests, 1,
+                                                    args.max_tokens, prompts, args.timeout)
+                        rounds[name].append((results, wall, start))
+                        row = level_summary(results, wall)
+                        print(f"[load] {name}, {level} clients, round {len(rounds[name])}: "
+                              f"{row['tokens_per_s']:.1f} tokens/s, latency p50 {fmt(row['latency_p50_s'])} p99 "
+                              f"{fmt(row['latency_p99_s'])}, {row['failed']} failed", file=sys.stderr, flush=True)
+                for name in SERVERS:
+                    report["servers"][name][str(level)] = merge_trials(rounds[name])
+                report["rounds"][str(level)] = [list(order) for order in abba(args.trials)]
+            report["load_average"]["both servers"]["after"] = os.getloadavg()
+        finally:
+            for proc in procs.values():
                 stop_server(proc)
-            report.setdefault("logs_tail", {})[name] = log.read_text()[-2000:]
+        for name in SERVERS:
+            if logs[name].exists():
+                report.setdefault("logs_tail", {})[name] = logs[name].read_text()[-2000:]
+    report["ratios"] = ratios(report)
     report["agreement"] = agreement(report)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(f"[load] wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)
     failed = sum(row["failed"] for rows in report["servers"].values() for row in rows.values())
     return 1 if failed else 0
+
+
+def ratios(report: dict) -> dict:
+    """Per level: dflash2 serve's throughput over mlx_lm.server's, from the medians over rounds, and each round's
+    (the two servers' runs of one round are adjacent in time)."""
+    ours, theirs = (report["servers"].get(name, {}) for name in SERVERS)
+    result = {}
+    for level, row in ours.items():
+        other = theirs.get(level)
+        if other is None or not other["tokens_per_s"]:
+            continue
+        result[level] = {"median": row["tokens_per_s"] / other["tokens_per_s"],
+                         "rounds": [a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+                                    for a, b in zip(row.get("trials", []), other.get("trials", []))]}
+    return result
 
 
 def fmt(seconds: float | None) -> str:
@@ -250,27 +305,38 @@ def fmt_load(values) -> str:
 
 
 def agreement(report: dict) -> dict:
-    """How many answers (same prompt, same level) are the same text from both servers (T = 0, one target)."""
-    a, b = (report["servers"].get(name, {}) for name in ("dflash2 serve", "mlx_lm.server"))
+    """How many answers (same prompt, same level, same round) are the same text from both servers (T = 0, one
+    target)."""
+    a, b = (report["servers"].get(name, {}) for name in SERVERS)
     same = total = 0
     for level, row in a.items():
-        other = b.get(level, {}).get("texts", {})
-        for prompt, text in row["texts"].items():
-            if prompt in other:
-                total += 1
-                same += text == other[prompt]
+        other = b.get(level)
+        if other is None:
+            continue
+        pairs = zip(row["trials"], other["trials"]) if "trials" in row and "trials" in other else \
+            [(row, other)]
+        for mine, theirs in pairs:
+            for prompt, text in mine["texts"].items():
+                if prompt in theirs["texts"]:
+                    total += 1
+                    same += text == theirs["texts"][prompt]
     return {"same": same, "compared": total}
 
 
 def markdown(report: dict) -> str:
     s = report["settings"]
+    trials = s.get("trials", 1)
     lines = [f"# {report['what']}", "",
              f"Target `{report['target']}`, drafter `{report['drafter']}` (dflash2 serve, verify mode "
              f"{s['verify_mode']}); {s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
              f"T = 0, prompts `{s['prompts']}`; streaming with usage. Machine: {report['machine']}.", "",
+             f"Both servers started once and run alternately at each level, {trials} rounds in ABBA order (round 1: "
+             f"dflash2 serve then mlx_lm.server, round 2 the other way round, ...). Completion tokens/s is the median "
+             f"over the rounds (each round's in brackets); counts and latency percentiles are over every request of "
+             f"every round.", "",
              f"Command: `{report['command']}`", "",
              *([report["note"], ""] if report.get("note") else []),
-             *([f"Load average (1, 5, 15 min) before and after each server's runs: {loads}.", ""]
+             *([f"Load average (1, 5, 15 min) before and after the runs: {loads}.", ""]
                if (loads := "; ".join(f"{name}: {fmt_load(v.get('before'))} -> {fmt_load(v.get('after'))}"
                                       for name, v in report.get("load_average", {}).items())) else []),
              "| clients | server | ok | failed | completion tokens/s | requests/s | latency p50 | latency p99 "
@@ -283,15 +349,18 @@ def markdown(report: dict) -> str:
             if row is None:
                 continue
             batch = row["batch_size_max"] if name == "dflash2 serve" else ""
-            lines.append(f"| {level} | {name} | {row['requests']} | {row['failed']} | {row['tokens_per_s']:.1f} | "
-                         f"{row['requests_per_s']:.2f} | {fmt(row['latency_p50_s'])} | {fmt(row['latency_p99_s'])} | "
-                         f"{fmt(row['ttft_p50_s'])} | {batch} |")
-    ours, theirs = servers.get("dflash2 serve", {}), servers.get("mlx_lm.server", {})
-    ratios = [f"{level}: {ours[level]['tokens_per_s'] / theirs[level]['tokens_per_s']:.2f}x"
-              for level in map(str, s["levels"]) if level in ours and level in theirs
-              and theirs[level]["tokens_per_s"] > 0]
-    lines += ["", f"Throughput, dflash2 serve / mlx_lm.server, by clients: {', '.join(ratios) or 'n/a'}.",
-              f"Same answer from both servers (same prompt and level): {report['agreement']['same']} of "
+            each = " / ".join(f"{t['tokens_per_s']:.1f}" for t in row.get("trials", []))
+            lines.append(f"| {level} | {name} | {row['requests']} | {row['failed']} | {row['tokens_per_s']:.1f}"
+                         f"{f' ({each})' if each else ''} | {row['requests_per_s']:.2f} | "
+                         f"{fmt(row['latency_p50_s'])} | {fmt(row['latency_p99_s'])} | {fmt(row['ttft_p50_s'])} | "
+                         f"{batch} |")
+    found = report.get("ratios") or ratios(report)
+    text = [f"{level}: {found[level]['median']:.2f}x" + (
+        f" ({' / '.join('n/a' if r is None else f'{r:.2f}' for r in found[level]['rounds'])})"
+        if found[level]["rounds"] else "") for level in map(str, s["levels"]) if level in found]
+    lines += ["", f"Throughput, dflash2 serve / mlx_lm.server, by clients: {', '.join(text) or 'n/a'} (medians; "
+              f"each round's in brackets).",
+              f"Same answer from both servers (same prompt, level and round): {report['agreement']['same']} of "
               f"{report['agreement']['compared']}.", ""]
     return "\n".join(lines)
 
@@ -306,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="math", help="a prompt suite (math, chat, code) or a JSONL file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     c = p.add_argument_group("--compare: dflash2 serve against mlx_lm.server")
-    c.add_argument("--compare", action="store_true", help="start each server in turn on the same target and run "
-                   "the clients against it at every --levels; write --out .md and .json")
+    c.add_argument("--compare", action="store_true", help="start both servers on the same target and run the "
+                   "clients against each alternately at every --levels; write --out .md and .json")
     c.add_argument("--levels", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
                    help="concurrent clients, comma-separated (default 1,2,4,8)")
     c.add_argument("--model", help="the target (default: the default target); GGUF is converted for mlx_lm.server")
@@ -315,13 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--verify-mode", help="dflash2 serve's --verify-mode (default: its own)")
     c.add_argument("--serve-arg", action="append", default=[], help="one more argument for dflash2 serve "
                    "(repeatable, e.g. --serve-arg=--block-size --serve-arg=8)")
+    c.add_argument("--trials", type=int, default=2, help="rounds per level, the servers alternating in ABBA "
+                   "order (default %(default)s)")
     c.add_argument("--out", default="load-vs-mlx-lm", help="report path without suffix (default %(default)s)")
     c.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to start")
     args = p.parse_args(argv)
     args.argv = argv
     if args.compare:
-        if any(n < 1 for n in args.levels) or args.requests < 1:
-            p.error("--levels and --requests must be positive")
+        if any(n < 1 for n in args.levels) or args.requests < 1 or args.trials < 1:
+            p.error("--levels, --requests and --trials must be positive")
         return compare(args)
     prompts = load_suite(args.prompts)
     url = urlparse(args.url)

@@ -55,6 +55,8 @@ GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
 RESUME_MIN_TOKENS = 16  # a request left alone in the batch goes on speculatively if it has this many tokens to go
+RESUME_GRACE_STEPS = 2  # ... once it has been alone, nothing queued, for this many batch steps: a client's next
+# request (sent as its last answer ends) joins the batch then, sparing the request the move out and back
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
@@ -154,8 +156,8 @@ class Worker:
     more than one is active they decode together, by plain steps, in mlx-lm's `BatchGenerator` (continuous
     batching: requests join and leave between steps). A speculative request that others queue behind joins the
     batch at its next cycle boundary, moved there with its prompt and committed tokens and a copy of its target
-    cache; one left alone in the batch with nothing queued and at least RESUME_MIN_TOKENS to go leaves it and
-    goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is
+    cache; one left alone in the batch with nothing queued for RESUME_GRACE_STEPS steps and at least
+    RESUME_MIN_TOKENS to go leaves it and goes on speculatively (prefilling what no prompt-cache slot with the drafter's context holds). Admission is
     first come first served: the queue's head is admitted while fewer than `decode_concurrency` decode; a head
     the batch cannot take (a seeded request, whose draws a shared batch cannot reproduce, or any request on a
     target whose caches cannot be batched) waits for the batch to drain, later requests behind it.
@@ -338,11 +340,14 @@ class Worker:
 
     def _batch(self, handover) -> tuple[Batched, list[int]] | None:
         """Decode the job handed over and every job the queue's head brings, together, until none is left (None),
-        or until one is left alone with nothing queued and at least RESUME_MIN_TOKENS to go: then it leaves the
-        batch, to go on speculatively (its entry and its tokens so far, for `_solo`)."""
+        or until one is left alone with nothing queued for RESUME_GRACE_STEPS steps and at least RESUME_MIN_TOKENS
+        to go: then it leaves the batch, to go on speculatively (its entry and its tokens so far, for `_solo`)."""
+        # mlx_lm.server's settings: its --decode-concurrency, --prompt-concurrency (8) and --prefill-step-size
         gen = BatchGenerator(self.model, completion_batch_size=self.decode_concurrency,
-                             prefill_batch_size=min(8, self.decode_concurrency))
+                             prefill_batch_size=min(8, self.decode_concurrency),
+                             prefill_step_size=handover[0].kwargs.get("prefill_step_size") or 2048)
         entries: dict[int, Batched] = {}
+        alone = 0  # steps since the batch last held more than one request or had a request queued
         try:
             job, cache, covered, rest, generated, cached = handover
             self._insert(gen, entries, job, rest, cache, covered, generated, cached)
@@ -372,7 +377,11 @@ class Worker:
                             cache, tokens = left[uid]
                             self._keep(PromptCache.of_target(self.model, tokens, cache))
                         self._end(e.job, reason, e.cached)
-                if len(entries) == 1 and self._head() is None:
+                if len(entries) != 1 or self._head() is not None:
+                    alone = 0
+                    continue
+                alone += 1
+                if alone > RESUME_GRACE_STEPS:
                     back = self._alone(gen, entries)
                     if back is not None:
                         return back

@@ -608,6 +608,68 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
     assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
 
 
+def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
+    """Two requests batched (the first moved in from the speculative path); the short one ends and, one batch step
+    later (a client's next request, sent as its last answer ends), a third arrives: it joins the batch, the long
+    one never having left it (RESUME_GRACE_STEPS), rather than the long one moving out to go on speculatively and
+    back in at its next cycle. Every answer is plain decoding's from scratch."""
+    from conftest import make_dflash2_drafter, make_target
+
+    model = make_target("qwen3", seed=3)
+    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    kw = {"temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
+    prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(3)]
+    lengths = [40, 4, 20]  # the long one has 30-odd tokens to go when the short one ends: it could leave
+    jobs = [serve.Job(p, {**kw, "max_tokens": n}, time.monotonic() + TIMEOUT) for p, n in zip(prompts, lengths)]
+    ended, submitted, resumed = threading.Event(), [], []
+    real_end, real_continued = serve.Worker._end, serve.Worker._continued
+
+    def end(self, job, reason, cached):
+        real_end(self, job, reason, cached)
+        if job is jobs[1]:
+            ended.set()
+
+    def continued(self, r, resumed_entry, generated):
+        resumed.append(r.verify_mode)
+        return real_continued(self, r, resumed_entry, generated)
+
+    def submit_third():
+        if not submitted:
+            submitted.append(worker.submit(jobs[2]))
+
+    class Generator(serve.BatchGenerator):
+        def next(self):
+            if ended.is_set():
+                submit_third()
+            return super().next()
+
+    monkeypatch.setattr(serve.Worker, "_end", end)
+    monkeypatch.setattr(serve.Worker, "_continued", continued)
+    monkeypatch.setattr(serve, "BatchGenerator", Generator)
+    out = []
+    try:
+        with held_first(monkeypatch) as (gate, holding):
+            worker.submit(jobs[0])
+            assert holding.wait(TIMEOUT)
+            worker.submit(jobs[1])
+            gate.set()
+            for i, job in enumerate(jobs):
+                tokens = []
+                while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
+                    tokens += event[1].tokens
+                assert event[:2] == ("end", "finished"), event
+                out.append(tokens)
+                if i == 0:
+                    submit_third()  # not sent from a batch step: the long one left the batch before one came
+    finally:
+        assert worker.stop()
+    assert submitted == [True]
+    assert out == [generate(model, tokenizer, p, None, verify_mode="off", max_tokens=n, eos_token_ids=[]).tokens
+                   for p, n in zip(prompts, lengths)]
+    assert resumed == []  # the long one never went back to the speculative path
+    assert jobs[2].batch_size == 2 and jobs[0].batch_size == 2  # the third decoded together with the long one
+
+
 def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch, records: list | None = None,
                    ) -> list[tuple[list[int], int]]:
     """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
