@@ -384,8 +384,8 @@ def test_architectures_that_cannot_be_sharded_are_refused():
 
 def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     """`mlx.launch -n 2 -- python -m dflash2_apps.cli generate ... --pipeline`: one JSON line (rank 0's), the
-    tokens of the same command in one process."""
-    target = save_target(tmp_path / "target", "qwen2")
+    tokens of the same command in one process. The target is a qwen3, which mlx-lm does not pipeline itself."""
+    target = save_target(tmp_path / "target", "qwen3")
     weights = mx.load(str(target / "model.safetensors"))
     (target / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
