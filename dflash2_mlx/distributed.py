@@ -350,7 +350,8 @@ def load(
     timeout: float = CONNECT_TIMEOUT,
 ):
     """(this process's `ShardedTarget`, tokenizer, drafter or None), arguments as `loading.load`'s: the target
-    (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load`, and the drafter
+    (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load` (qwen3 and llama
+pipelines: `_pipeline_load`), and the drafter
     (every process loads it whole: rank 0 runs it, every rank applies its share of `fc`). The processes first
     check that they load the same drafter and target config (within `timeout` seconds)."""
     if model is None or str(model).endswith(".gguf"):

@@ -1,5 +1,6 @@
 """A target sharded over two processes on this machine (MLX distributed, ring backend on 127.0.0.1): pipeline
-parallel (a tiny qwen2 and a tiny hybrid qwen3_5) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
+parallel (a tiny qwen2 and a tiny hybrid qwen3_5, pipelined by mlx-lm; a tiny qwen3 and a tiny llama with
+sliding-window layers, pipelined by `patches.pipeline_stage`) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
 drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
 
 All the two-process generations run in one launch of `sharded_worker.py` (module fixture); every launch is
