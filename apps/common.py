@@ -176,7 +176,8 @@ def add_sharding_args(p) -> None:
     how = g.add_mutually_exclusive_group()
     how.add_argument("--pipeline", action="store_true",
                      help="pipeline parallel: each process runs a run of consecutive layers (mlx-lm's "
-                     "model.model.pipeline; qwen2, qwen3_5, qwen3_moe, qwen3_next, deepseek, glm4_moe, ...)")
+                     "model.model.pipeline; qwen2, qwen3_5, qwen3_moe, qwen3_next, deepseek, glm4_moe, ...; "
+                     "qwen3 and llama pipelined by dflash2)")
     how.add_argument("--tensor-parallel", action="store_true",
                      help="tensor parallel: each process holds a slice of every layer (mlx-lm's model.shard; "
                      "qwen3, qwen3_5, llama, qwen2, deepseek, gpt_oss, ...)")

@@ -1,7 +1,9 @@
 """A target sharded over several processes: MLX distributed, the processes started by `mlx.launch` (one per
 Mac, or several on one machine), the target split by mlx-lm itself (`mlx_lm.utils.sharded_load`): pipeline
 parallel (`model.model.pipeline`: each process runs a run of consecutive layers, rank 0 the last ones) or tensor
-parallel (`model.shard`: each process holds a slice of every layer).
+parallel (`model.shard`: each process holds a slice of every layer). Dense qwen3 and llama targets, which mlx-lm
+does not pipeline, get mlx-lm's pipeline from `patches.pipeline_stage` and are loaded as `sharded_load` loads a
+pipeline (`_pipeline_load`).
 
 Every process runs every target forward (mlx-lm's sharded models exchange activations inside it); rank 0
 alone runs the decode loop (`decode.py`, as in one process): it drafts, samples and accepts, and the other ranks
@@ -26,6 +28,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import re
 import weakref
 from importlib.metadata import version
 
@@ -33,8 +36,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import load_model, sharded_load
+from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
+from . import patches
 from .drafter import DFlashDraftModel
 from .formats.quantize import DraftQuant
 from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
@@ -87,8 +91,10 @@ def drafter_checksum(drafter: DFlashDraftModel) -> str:
 
 
 def check_shardable(model: nn.Module, mode: str) -> None:
-    """Refuse a model mlx-lm cannot shard the way asked, naming the way it can."""
-    pipeline = hasattr(model, "model") and hasattr(model.model, "pipeline")
+    """Refuse a model that cannot be sharded the way asked (by mlx-lm, or for a pipeline by
+    `patches.pipeline_stage`), naming the way it can."""
+    inner = getattr(model, "model", None)
+    pipeline = inner is not None and (hasattr(inner, "pipeline") or patches.pipeline_forward(inner) is not None)
     tensor = hasattr(model, "shard")
     kind = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
     if mode not in MODES:
@@ -96,9 +102,39 @@ def check_shardable(model: nn.Module, mode: str) -> None:
     if (mode == "pipeline" and pipeline) or (mode == "tensor" and tensor):
         return
     other = ("--tensor-parallel" if tensor else None) if mode == "pipeline" else ("--pipeline" if pipeline else None)
-    how = "no model.model.pipeline()" if mode == "pipeline" else "no model.shard()"
+    how = ("no model.model.pipeline(), and its forward is not qwen3's or llama's, which dflash2 pipelines"
+           if mode == "pipeline" else "no model.shard()")
     raise ValueError(f"mlx-lm {version('mlx-lm')} cannot shard {kind} models {mode}-parallel ({how}); "
                      + (f"use {other} instead" if other else "it cannot shard this architecture at all"))
+
+
+def _pipeline_load(model: str, group: mx.distributed.Group):
+    """(this process's stage, tokenizer) of a target whose mlx-lm model has no pipeline: what mlx-lm's
+    `sharded_load` does for a pipeline (only the files of this stage's layers fetched and read), with
+    `patches.pipeline_stage` applied before `model.model.pipeline(group)`."""
+    path = resolve_path(model, allow_patterns=["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+                                               "*.txt", "*.jsonl", "*.jinja"])
+
+    def stage():
+        lazy, config = load_model(path, lazy=True, strict=False)
+        patches.pipeline_stage(lazy)
+        lazy.model.pipeline(group)
+        return lazy, config
+
+    lazy, config = stage()
+    start, end = lazy.model.start_idx, lazy.model.end_idx
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files = set()
+    for name, file in index.items():  # layers by number, as sharded_load matches them; the rest on every stage
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if m is None or start <= int(m.group(1)) < end:
+            files.add(file)
+    resolve_path(model, allow_patterns=sorted(files))
+    stage_model, _ = stage()  # now with this stage's weights
+    mx.eval(stage_model.parameters())
+    tokenizer = load_tokenizer(path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=group))  # as sharded_load: in step
+    return stage_model, tokenizer
 
 
 class ShardedCache(list):
@@ -314,7 +350,8 @@ def load(
     timeout: float = CONNECT_TIMEOUT,
 ):
     """(this process's `ShardedTarget`, tokenizer, drafter or None), arguments as `loading.load`'s: the target
-    (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load`, and the drafter
+    (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load` (qwen3 and llama
+pipelines: `_pipeline_load`), and the drafter
     (every process loads it whole: rank 0 runs it, every rank applies its share of `fc`). The processes first
     check that they load the same drafter and target config (within `timeout` seconds)."""
     if model is None or str(model).endswith(".gguf"):
@@ -325,6 +362,7 @@ def load(
     config_path = resolve_path(model, allow_patterns=["*.json"])
     lazy, config = load_model(config_path, lazy=True, strict=False)
     check_shardable(lazy, mode)
+    patched = mode == "pipeline" and not hasattr(lazy.model, "pipeline")
     del lazy
     if mode == "pipeline" and not (config_path / "model.safetensors.index.json").exists():
         raise ValueError(f"{model} has no model.safetensors.index.json, which mlx-lm's pipeline loading reads to "
@@ -339,8 +377,11 @@ def load(
         "target config": json.dumps(config, sort_keys=True),
         "sharding": f"{mode} {dtype}",
     }, timeout)
-    target_model, tokenizer = sharded_load(model, pipeline_group=group if mode == "pipeline" else None,
-                                           tensor_group=group if mode == "tensor" else None)
+    if patched:
+        target_model, tokenizer = _pipeline_load(model, group)
+    else:
+        target_model, tokenizer = sharded_load(model, pipeline_group=group if mode == "pipeline" else None,
+                                               tensor_group=group if mode == "tensor" else None)
     if dtype is not None:
         target_model.set_dtype(getattr(mx, dtype))
     if drafter is not None:

@@ -1,5 +1,6 @@
 """A target sharded over two processes on this machine (MLX distributed, ring backend on 127.0.0.1): pipeline
-parallel (a tiny qwen2 and a tiny hybrid qwen3_5) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
+parallel (a tiny qwen2 and a tiny hybrid qwen3_5, pipelined by mlx-lm; a tiny qwen3 and a tiny llama with
+sliding-window layers, pipelined by `patches.pipeline_stage`) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
 drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
 
 All the two-process generations run in one launch of `sharded_worker.py` (module fixture); every launch is
@@ -24,8 +25,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
-    save_tokenizer
-from dflash2_mlx import PromptCache, generate, load
+    save_tokenizer, target_config
+from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,20 +36,24 @@ PROMPT = [1] + [6 + (10 + 7 * i) % 240 for i in range(79)]  # 80 ids: more than 
 TOKENS = 24
 # case -> (target architecture, sharding, drafter); the hybrid tensor-parallel case: each process holds a slice of
 # every recurrent state too, and rolls back its slice
-CASES = {f"{arch}-{kind}": (arch, mode, kind) for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"),
-                                                                 ("qwen3", "tensor")) for kind in ("v1", "dflash2")}
+# qwen3 and llama are pipelined by dflash2 (`patches.pipeline_stage`: mlx-lm has no pipeline for them); the llama
+# target has sliding-window layers (a windowed mask and a rotating cache in each stage)
+CASES = {f"{arch}-{mode}-{kind}": (arch, mode, kind)
+         for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"), ("qwen3", "pipeline"), ("qwen3", "tensor"))
+         for kind in ("v1", "dflash2")}
 CASES["qwen3_5-tensor-v1"] = ("qwen3_5", "tensor", "v1")
+CASES["llama_swa-pipeline-v1"] = ("llama_swa", "pipeline", "v1")
 GREEDY = dict(max_tokens=TOKENS, verify_mode="dflash", block_size=4, eos_token_ids=[])
 SAMPLED = dict(GREEDY, temp=2.0, seed=3)
 # consecutive prompts through one prompt cache: the second shares 50 tokens with the first, whose caches are cut
-# back to them (KV caches trimmed in every process; the hybrid target starts afresh)
+# back to them (KV caches trimmed in every process; the hybrid and sliding-window targets start afresh)
 CACHED = [PROMPT, PROMPT[:50] + [20, 21, 22, 23, 24]]
 # `python -m dflash2_apps.cli` from this checkout's apps/ (an editable install may map the package elsewhere)
 CLI = [sys.executable, "-c", "import importlib.util, sys; apps = sys.argv.pop(1); spec = importlib.util."
        "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
        "sys.modules['dflash2_apps'] = importlib.util.module_from_spec(spec); spec.loader.exec_module("
        "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())", str(ROOT / "apps")]
-# run by the qwen2 v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
+# run by the qwen2 pipeline v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
 # decoding
 EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
          dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
@@ -112,7 +117,7 @@ def save_indexed(folder: Path, model, config: dict) -> Path:
 def build_folders(root: Path) -> dict:
     """(target folder, drafter folder) of every (architecture, drafter kind)."""
     folders = {}
-    for arch in ("qwen2", "qwen3_5", "qwen3"):
+    for arch in sorted({arch for arch, _, _ in CASES.values()}):
         if arch == "qwen3_5":
             hybrid = make_hybrid("qwen3_5")
             target = save_indexed(root / arch, hybrid, hybrid.args_config)
@@ -168,7 +173,7 @@ def run_matrix(root: Path) -> None:
         np.save(root / "references" / f"{case}-context.npy", reference["context"])
         (root / "references" / f"{case}.json").write_text(
             json.dumps({k: v for k, v in reference.items() if k != "context"}))
-        runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-v1" else [])
+        runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-pipeline-v1" else [])
         jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=PROMPT, runs=runs,
                          cached=CACHED, script=reference["mlx_lm"]))
     (root / "jobs.json").write_text(json.dumps(jobs))
@@ -268,14 +273,15 @@ def test_prompt_cache_reuse_matches_one_process(sharded, case):
     found, references = sharded
     cached = [[run["tokens"], run["reused"]] for run in found[case]["runs"][-1 - len(CACHED) : -1]]
     assert cached == references[case]["cached"]
-    assert cached[1][1] == (0 if CASES[case][0] == "qwen3_5" else 50)
+    # the hybrid target and the sliding-window one (its rotating caches hold only the last 8 rows) start afresh
+    assert cached[1][1] == (0 if CASES[case][0] in ("qwen3_5", "llama_swa") else 50)
 
 
 def test_adaptive_and_plain_decoding(sharded):
     """Adaptive mode (its cost measurement on two caches, plain runs) and plain decoding on the pipeline."""
     found, references = sharded
-    adaptive, plain = found["qwen2-v1"]["runs"][2:4]
-    assert adaptive["tokens"] == plain["tokens"] == references["qwen2-v1"]["mlx_lm"]
+    adaptive, plain = found["qwen2-pipeline-v1"]["runs"][2:4]
+    assert adaptive["tokens"] == plain["tokens"] == references["qwen2-pipeline-v1"]["mlx_lm"]
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------
@@ -350,21 +356,37 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     assert "connection to a peer was lost" in err.splitlines()[-1], err[-2000:]
 
 
-def test_architectures_mlx_lm_cannot_shard_are_refused():
+def test_architectures_that_cannot_be_sharded_are_refused():
     import mlx.nn as nn
+    from mlx_lm.models import qwen3
 
-    with pytest.raises(ValueError, match=r"cannot shard qwen3 models pipeline-parallel .*use --tensor-parallel"):
-        check_shardable(make_target("qwen3"), "pipeline")
+    from conftest import _model_from_config
+
+    class ScaledQwen3Model(qwen3.Qwen3Model):  # another forward than qwen3's: not pipelined by dflash2
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            return super().__call__(inputs, cache, self.embed_tokens(inputs) * 2.0)
+
+    scaled = make_target("qwen3")
+    scaled.model.__class__ = ScaledQwen3Model
+    with pytest.raises(ValueError, match=r"cannot shard qwen3 models pipeline-parallel .*not qwen3's or llama's.*"
+                                         r"use --tensor-parallel"):
+        check_shardable(scaled, "pipeline")
+    gemma, _ = _model_from_config(dict(target_config("qwen3"), model_type="gemma"))
+    with pytest.raises(ValueError, match="cannot shard gemma models pipeline-parallel .*cannot shard this architecture"):
+        check_shardable(gemma, "pipeline")
+    with pytest.raises(ValueError, match="has a forward this version cannot pipeline"):
+        patches.pipeline_stage(scaled)
+    for arch in ("qwen3", "llama", "llama_swa", "qwen2"):
+        check_shardable(make_target(arch), "pipeline")
     check_shardable(make_target("qwen3"), "tensor")
-    check_shardable(make_target("qwen2"), "pipeline")
     with pytest.raises(ValueError, match="cannot shard this architecture at all"):
         check_shardable(nn.Linear(2, 2), "tensor")
 
 
 def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     """`mlx.launch -n 2 -- python -m dflash2_apps.cli generate ... --pipeline`: one JSON line (rank 0's), the
-    tokens of the same command in one process."""
-    target = save_target(tmp_path / "target", "qwen2")
+    tokens of the same command in one process. The target is a qwen3, which mlx-lm does not pipeline itself."""
+    target = save_target(tmp_path / "target", "qwen3")
     weights = mx.load(str(target / "model.safetensors"))
     (target / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
@@ -400,12 +422,14 @@ class FakeGroup:
         return self._size
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_5", "qwen3", "llama_swa"])
 def test_a_pipeline_stage_counts_layers_from_the_config_and_taps_its_own(arch):
     from dflash2_mlx.target import Target
 
     for rank, first, held, recurrent in [(0, 2, (3,), [2]), (1, 0, (1,), [0])]:
         model = make_hybrid(arch) if arch == "qwen3_5" else make_target(arch)
+        if arch in ("qwen3", "llama_swa"):
+            patches.pipeline_stage(model)
         model.model.pipeline(FakeGroup(rank, 2))  # rank 0 runs the last layers, as mlx-lm splits them
         target = Target(model, (1, 3))
         assert (target.num_layers, target.first_layer, len(target.layers), target.held_ids) == (4, first, 2, held)
@@ -417,3 +441,40 @@ def test_a_pipeline_stage_counts_layers_from_the_config_and_taps_its_own(arch):
         assert tapped == list(held)
     with pytest.raises(ValueError, match="has only 4 layers"):
         Target(model, (1, 4))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
+def test_a_patched_pipeline_runs_the_unpatched_layers(arch, monkeypatch):
+    """`patches.pipeline_stage` on the two stages of a pipeline of two (a fake group; the exchanges through a list):
+    what rank 1 sends is layers 0-1 of the unpatched model run directly, and rank 0's logits are the unpatched
+    model's, bit for bit, over a prefill longer than llama's sliding window and two cached steps."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import make_prompt_cache
+
+    wire, sent = [], []
+    monkeypatch.setattr(mx.distributed, "send", lambda h, dst, group=None: (wire.append(h), sent.append((h, dst)))[0] or h)
+    monkeypatch.setattr(mx.distributed, "recv_like", lambda h, src, group=None: wire.pop(0))
+    monkeypatch.setattr(mx.distributed, "all_gather", lambda h, group=None: mx.concatenate([h, mx.zeros_like(h)]))
+    reference = make_target(arch)
+    stages = {}
+    for rank in (1, 0):
+        stages[rank] = make_target(arch)
+        patches.pipeline_stage(stages[rank])
+        stages[rank].model.pipeline(FakeGroup(rank, 2))
+        assert type(stages[rank].model).__module__ == type(reference.model).__module__
+    caches = {rank: make_prompt_cache(stages[rank]) for rank in (0, 1)}
+    kinds = ["RotatingKVCache", "KVCache"] if arch == "llama_swa" else ["KVCache"] * 2
+    assert [type(c).__name__ for c in caches[0]] == [type(c).__name__ for c in caches[1]] == kinds
+    reference_cache = make_prompt_cache(reference)
+    prompt = mx.array([[3 + (7 * i) % 200 for i in range(12)]])
+    for step, tokens in enumerate((prompt, prompt[:, :3], prompt[:, :1])):
+        want = reference(tokens, cache=reference_cache)
+        stages[1](tokens, cache=caches[1])
+        got = stages[0](tokens, cache=caches[0])
+        assert not wire and sent[-1][1] == 0  # rank 1 sent once, to rank 0, which took it
+        assert got.shape == want.shape and mx.array_equal(got, want), (step, mx.abs(got - want).max().item())
+    h = reference.model.embed_tokens(prompt)
+    for layer in reference.model.layers[:2]:
+        window = reference.model.sliding_window if getattr(layer, "use_sliding", False) else None
+        h = layer(h, create_attention_mask(h, None, window_size=window), None)
+    assert mx.array_equal(sent[0][0], h)
