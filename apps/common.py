@@ -8,7 +8,7 @@ from inspect import signature
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from dflash2_mlx import distributed, load
+from dflash2_mlx import distributed, load, peers
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
@@ -182,6 +182,9 @@ def add_sharding_args(p) -> None:
                      help="tensor parallel: each process holds a slice of every layer (mlx-lm's model.shard; "
                      "qwen3, qwen3_5, llama, qwen2, deepseek, gpt_oss, ...)")
     g.add_argument("--backend", default="any", help="MLX distributed backend: any (default), ring, jaccl, mpi")
+    g.add_argument("--peer-timeout", type=float, default=peers.DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="rank 0 ends with an error when the others have not answered for this long while it "
+                   f"generates: one died or hangs (default {peers.DEFAULT_TIMEOUT:g})")
     g.add_argument("--connect-timeout", type=float, default=distributed.CONNECT_TIMEOUT, metavar="SECONDS",
                    help="how long a process waits for the others at the start before it gives up (default "
                    f"{distributed.CONNECT_TIMEOUT:g})")

@@ -34,7 +34,7 @@ def run(args) -> int:
         if not target.leader:
             distributed.follow(target)
             return 0
-        with distributed.leading(target):
+        with distributed.leading(target), distributed.watched(target, args.peer_timeout):
             return _generate(args, target, tokenizer, drafter, target.vocab_size)
     model, tokenizer, drafter = common.load_pair(args)
     return _generate(args, model, tokenizer, drafter, Target(model).vocab_size)

@@ -42,7 +42,7 @@ from . import patches
 from .drafter import DFlashDraftModel
 from .formats.quantize import DraftQuant
 from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
-from .peers import connect, deadline
+from .peers import DEFAULT_TIMEOUT, connect, deadline, progress_watch
 from .target import Capture, Target
 
 MODES = ("pipeline", "tensor")
@@ -182,6 +182,7 @@ class ShardedTarget(Target):
             raise ValueError("a sharded target needs a group of at least two processes")
         self.group, self.mode, self.rank = group, mode, group.rank()
         self.leader = self.rank == 0
+        self.tick = _nothing  # inside `watched`: marks rank 0's progress (each announcement)
         self._keys = itertools.count()
         self._freed: list[int] = []  # keys of rank 0's caches gone, for the others to drop
         self._pending: list[mx.array] = []  # rank 0: the last operation's results, finished before the next
@@ -221,6 +222,7 @@ class ShardedTarget(Target):
         key = -1 if cache is None else getattr(cache, "key", None)
         if key is None:
             raise RuntimeError("a sharded target runs on caches it made itself (its make_cache)")
+        self.tick()
         if self._pending:  # the last operation's collectives, before this one's (the other ranks ran them)
             mx.eval(self._pending)
             self._pending = []
@@ -300,6 +302,30 @@ def leading(target: ShardedTarget):
             target.lead(STOP, None)
         raise
     target.lead(STOP, None)
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextlib.contextmanager
+def watched(target: ShardedTarget, timeout: float | None = DEFAULT_TIMEOUT):
+    """Rank 0, around generations consumed without pauses (a CLI run, a server request): if it announces no target
+    operation for `timeout` seconds it is stuck in a collective with a process that died or hangs (MLX's ring
+    all_gather, inside mlx-lm's pipelined forward, never returns when a peer dies), and it ends with a message
+    (exit 3) instead of hanging. None: no bound."""
+    if timeout is None:
+        yield target
+        return
+    message = (f"dflash2: error: rank 0 of {target.group.size()} got no answer from the other processes for "
+               f"{timeout:g} s while generating: one died or hangs; start them all again (--peer-timeout sets "
+               "this bound)")
+    with progress_watch(timeout, message) as tick:
+        target.tick = tick
+        try:
+            yield target
+        finally:
+            target.tick = _nothing
 
 
 def follow(target: ShardedTarget) -> None:

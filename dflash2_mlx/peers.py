@@ -67,6 +67,28 @@ def deadline(seconds: float, message: str):
         watchdog.wait()
 
 
+@contextmanager
+def progress_watch(timeout: float, message: str):
+    """Inside the block the callable it yields (`tick`) must be called at least every `timeout` seconds; a block
+    stuck longer ends this process with `message` on stderr (exit WATCHDOG_EXIT). For work that waits on other
+    processes in collectives MLX may never return from (the ring backend's all_gather does not return when a peer
+    dies); `mx.eval` lets the watching thread run."""
+    last, done = [time.monotonic()], threading.Event()
+
+    def watch():
+        while not done.wait(min(1.0, timeout / 10)):
+            if time.monotonic() - last[0] > timeout:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+                os._exit(WATCHDOG_EXIT)
+
+    threading.Thread(target=watch, name="dflash2-progress-watchdog", daemon=True).start()
+    try:
+        yield lambda: last.__setitem__(0, time.monotonic())
+    finally:
+        done.set()
+
+
 def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> Peers:
     """`connect`, and the collectives of a data-parallel run under the watchdog thread."""
     return Peers(connect(timeout, backend, command), timeout)

@@ -61,7 +61,7 @@ def main(jobs_file: str, out_dir: str) -> None:
 
         drafter.draft_rows = spy
         runs = []
-        with distributed.leading(target):
+        with distributed.leading(target), distributed.watched(target, job.get("peer_timeout")):
             for settings in job["runs"]:
                 result = generate(target, tokenizer, job["prompt"], drafter, **settings)
                 runs.append({"tokens": result.tokens, "accepted": result.accepted})

@@ -322,7 +322,8 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
 
 
 def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
-    """Rank 1 killed while rank 0 generates: rank 0 stops at its next exchange with the ring's own message."""
+    """Rank 1 killed while rank 0 generates: rank 0 ends with a message, never hangs (the ring's own error, or the
+    watchdog's after --peer-timeout where an MLX collective does not return)."""
     model_dir = tmp_path / "models"
     target = save_target(model_dir / "qwen2", "qwen2")
     weights = mx.load(str(target / "model.safetensors"))
@@ -330,7 +331,7 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
         json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
     model, _ = load_model(target)
     drafter = save_drafter(model_dir / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
-    jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT,
+    jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT, peer_timeout=5,
                  runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "out").mkdir()
@@ -353,7 +354,11 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
             proc.kill()
             proc.wait()
     assert procs[0].returncode != 0
-    assert "connection to a peer was lost" in err.splitlines()[-1], err[-2000:]
+    # the ring's own error where its collective fails; where MLX's all_gather never returns (it does not when a
+    # peer dies), rank 0's watchdog after its 5 s peer timeout
+    last = err.splitlines()[-1]
+    assert "connection to a peer was lost" in last or "got no answer from the other processes for 5 s" in last, \
+        err[-2000:]
 
 
 def test_architectures_that_cannot_be_sharded_are_refused():
