@@ -835,7 +835,7 @@ def sharded_info(model) -> dict | None:
     if not isinstance(model, distributed.ShardedTarget):
         return None
     return {"mode": model.mode, "processes": model.group.size(), "batching": False,
-            "note": "one request at a time, speculatively: batched decoding would run the model in one process"}
+            "note": "one request at a time: batched decoding would run the model in one process"}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -1242,7 +1242,8 @@ def run(args) -> int:
         print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
         if app.sharded:
             print(f"[dflash2] the target is sharded {app.sharded['mode']}-parallel over {app.sharded['processes']} "
-                  "processes: requests run one at a time, speculatively (no batched decoding)",
+                  "processes: requests run one at a time (no batched decoding, which would run the model in one "
+                  "process)",
                   file=sys.stderr, flush=True)
         server.serve_forever()
     except Terminated:

@@ -48,6 +48,7 @@ CONNECT_TIMEOUT = 60.0  # seconds to reach the other processes and agree on what
 # what rank 0 asks of the others
 START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP, COPY = range(1, 10)
 _FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
+STOP_TIMEOUT = 10.0  # seconds rank 0, ending on an error, waits for the others to take its stop
 MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
 
 
@@ -196,8 +197,8 @@ class ShardedTarget(Target):
         if key is None:
             raise RuntimeError("a sharded target runs on caches it made itself (its make_cache)")
         if self._pending:  # the last operation's collectives, before this one's (the other ranks ran them)
-            mx.eval(self._pending)
-            self._pending = []
+            pending, self._pending = self._pending, []  # once: after a failed collective, never evaluated again
+            mx.eval(pending)
         n = count if tokens is None else tokens.size
         ids = mx.zeros((0,), mx.int32) if tokens is None else tokens.reshape(-1).astype(mx.int32)
         inline = ids if n <= MESSAGE_IDS else ids[:0]
@@ -282,8 +283,9 @@ def leading(target: ShardedTarget):
         raise RuntimeError("only rank 0 leads; the other ranks follow (distributed.follow)")
     try:
         yield target
-    except BaseException:
-        with contextlib.suppress(RuntimeError):  # the others may be gone (the error itself may say so)
+    except BaseException as e:
+        # the others may be gone (the error itself may say so): a collective then fails, or never returns
+        with contextlib.suppress(RuntimeError), deadline(STOP_TIMEOUT, f"dflash2: error: {e}"):
             stop(target)
         raise
     stop(target)
