@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import queue
+import signal
 import socket
 import struct
 import sys
@@ -39,7 +40,7 @@ from mlx_lm.server import ToolCallFormatter
 from mlx_lm.utils import _parse_size as parse_size
 
 from dflash2_apps import common
-from dflash2_mlx import PromptCache, PromptCaches
+from dflash2_mlx import PromptCache, PromptCaches, distributed
 from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
 from dflash2_mlx.generate import CycleResponse, encode_text, resolve_block_size, stream_cycles, summarize
@@ -680,7 +681,7 @@ def warm_start(model, drafter, defaults: dict) -> dict:
     mode = defaults.get("verify_mode")
     if drafter is None or mode not in ("adaptive", "ddtree"):
         return {}
-    target = bind_drafter(drafter, model)
+    target = model if isinstance(model, Target) else bind_drafter(drafter, model)  # a sharded target is bound
     block = resolve_block_size(drafter, defaults.get("block_size"), mode)
     if mode == "adaptive":
         return {"costs": load_or_measure_costs(target, drafter, block)}
@@ -711,22 +712,27 @@ class App:
         """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset; `served_names`:
         the names (beside `model_id`) clients may use in 'model' (--served-model-name). The cycle costs
         adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`), before
-        the worker starts."""
+        the worker starts. `model` may be rank 0's `distributed.ShardedTarget` (its measurements announced to the
+        other processes): requests then run one at a time, speculatively (`sharded`)."""
         self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
+        self.sharded = sharded_info(model)
         self.model_names = list(dict.fromkeys([model_id, *served_names]))
         tic = time.perf_counter()
         self.defaults = {**defaults, **warm_start(model, drafter, defaults)}
         if self.defaults.keys() != defaults.keys():
             log.info("cycle costs ready in %.1f s (loaded or measured once, at startup)", time.perf_counter() - tic)
         self.request_timeout = settings.request_timeout
-        self.vocab_size = Target(model).vocab_size
-        model_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.vocab_size = (model if isinstance(model, Target) else Target(model)).vocab_size
+        module = model.model if isinstance(model, Target) else model
+        model_context = getattr(getattr(module, "args", None), "max_position_embeddings", None)
         self.context_length = settings.context_length or model_context
         if self.context_length is None:
             log.warning("the model does not say its context length: prompts are not checked against one "
                         "(set --context-length)")
+        # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
+        concurrency = 1 if self.sharded else settings.decode_concurrency
         self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache,
-                             settings.prompt_cache_size, settings.prompt_cache_bytes, settings.decode_concurrency)
+                             settings.prompt_cache_size, settings.prompt_cache_bytes, concurrency)
         self.created = int(time.time())
 
     def parse(self, kind: str, body) -> Request:
@@ -828,8 +834,17 @@ class App:
             raise ApiError(400, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
         return encode_text(self.tokenizer, prompt)
 
-    def close(self) -> None:
-        self.worker.stop()
+    def close(self) -> bool:
+        """End every job; True once no generation runs."""
+        return self.worker.stop()
+
+
+def sharded_info(model) -> dict | None:
+    """What /health says of a target sharded over processes (None: one process)."""
+    if not isinstance(model, distributed.ShardedTarget):
+        return None
+    return {"mode": model.mode, "processes": model.group.size(), "batching": False,
+            "note": "one request at a time: batched decoding would run the model in one process"}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -907,7 +922,7 @@ class Handler(BaseHTTPRequestHandler):
             "running": app.worker.running is not None, "active": len(app.worker.active),
             "batch": {"size": app.worker.batch_size, "max_size": app.worker.batch_size_max,
                       "batched_steps": app.worker.batched_steps, "decode_concurrency": app.worker.decode_concurrency},
-            "prompt_cache": app.worker.cache_info,
+            "prompt_cache": app.worker.cache_info, "sharded": app.sharded,
             "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
                        "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
 
@@ -1164,6 +1179,7 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
                    "as vLLM's); GET /v1/models lists them all, any other name gets a 404")
+    common.add_sharding_args(p)
     p.set_defaults(run=run)
 
 
@@ -1184,13 +1200,14 @@ def served_names(flags: list[str]) -> tuple[str, ...]:
     return names
 
 
-def build_server(args):
-    """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving."""
+def build_server(args, loaded: tuple | None = None):
+    """(App, HTTP server) for parsed `serve` arguments; the server is bound but not yet serving. `loaded`:
+    (model, tokenizer, drafter) loaded already (rank 0's share of a sharded target)."""
     settings = ServeSettings(args.host, args.port, args.queue_size, args.request_timeout, args.context_length,
                              args.prompt_cache, args.prompt_cache_size, args.prompt_cache_bytes,
                              args.decode_concurrency)
     names = served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
-    model, tokenizer, drafter = common.load_pair(args)
+    model, tokenizer, drafter = loaded or common.load_pair(args)
     app = App(model, tokenizer, drafter, args.model_id or args.model or DEFAULT_TARGET_NAME,
               common.generation_kwargs(args), settings, names)
     try:
@@ -1200,15 +1217,62 @@ def build_server(args):
         raise
 
 
+class Terminated(Exception):
+    """SIGTERM: the server stops as on Ctrl-C, and the command ends with 0."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated
+
+
 def run(args) -> int:
-    app, server = build_server(args)
-    host, port = server.server_address[:2]
-    mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
-    also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
-    print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
+    """Serve until SIGINT (exit 130) or SIGTERM (exit 0). A sharded target (--pipeline, --tensor-parallel, every
+    process started by mlx.launch): rank 0 serves, the other ranks follow its forwards (they never bind the port)
+    and end when it stops."""
+    loaded = None
+    if args.pipeline or args.tensor_parallel:
+        served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
+        loaded = common.load_sharded(args)
+        if not loaded[0].leader:
+            # Ctrl-C reaches every process of the launch: rank 0 stops, then tells this one (SIGTERM ends it now)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            distributed.follow(loaded[0])
+            return 0
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+    app = server = None
+    idle = True
     try:
+        app, server = build_server(args, loaded)
+        host, port = server.server_address[:2]
+        mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
+        also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
+        print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
+        if app.sharded:
+            print(f"[dflash2] the target is sharded {app.sharded['mode']}-parallel over {app.sharded['processes']} "
+                  "processes: requests run one at a time (no batched decoding, which would run the model in one "
+                  "process)",
+                  file=sys.stderr, flush=True)
         server.serve_forever()
+    except Terminated:
+        return 0
     finally:
-        app.close()
-        server.server_close()
+        if app is not None:
+            idle = app.close()
+            server.server_close()
+        if loaded is not None:
+            _release(loaded[0], idle)
     return 0
+
+
+def _release(target, idle: bool) -> None:
+    """Rank 0 of a sharded target: tell the other ranks to stop following, once no generation runs (one still
+    running holds the collectives: the others then end when this process does, their ring broken)."""
+    if not idle:
+        log.warning("a generation did not stop; the other processes end with this one")
+        return
+    try:
+        distributed.stop(target)
+    except RuntimeError as e:  # the others are gone already (the error that ends this process may say why)
+        log.warning("could not tell the other processes to stop: %s", e)

@@ -10,7 +10,8 @@ alone runs the decode loop (`decode.py`, as in one process): it drafts, samples 
 follow it (`follow`). Before each target operation rank 0 broadcasts one message: the operation, the cache it
 is on, a count and the tokens fed (a cycle's anchor and drafts; a prompt chunk longer than the message follows
 in a second one); a rollback's count is the rows kept (the accepted drafts and the anchor). Each process rolls
-back its own caches, recurrent layers included. A broadcast is an `all_sum` to which the other ranks give
+back its own caches, recurrent layers included; a cache rank 0 copies (a prompt-cache slot shared in part) is
+copied in every process. A broadcast is an `all_sum` to which the other ranks give
 zeros. Every collective runs in the same order in every process: rank 0 finishes each operation (its logits
 and the drafter's context) before it announces the next, as the other ranks do.
 
@@ -25,6 +26,7 @@ applies `fc` alone. Either way the drafter is handed its context through `fc` al
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import itertools
 import json
@@ -48,8 +50,9 @@ from .target import Capture, Target
 MODES = ("pipeline", "tensor")
 CONNECT_TIMEOUT = 60.0  # seconds to reach the other processes and agree on what they loaded
 # what rank 0 asks of the others
-START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP = range(1, 9)
+START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP, COPY = range(1, 10)
 _FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
+STOP_TIMEOUT = 10.0  # seconds rank 0, ending on an error, waits for the others to take its stop
 MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
 
 
@@ -138,9 +141,17 @@ def _pipeline_load(model: str, group: mx.distributed.Group):
 
 
 class ShardedCache(list):
-    """One process's cache of a sharded target; `key` names it to the other processes."""
+    """One process's cache of a sharded target; `key` names it to the other processes. A copy (`copy.deepcopy`,
+    as a prompt-cache slot is copied) made on rank 0 is announced: every process copies its own share."""
 
     key = -1
+    target = None  # rank 0: the ShardedTarget that made it, which announces its copies
+
+    def __deepcopy__(self, memo):
+        other = ShardedCache(copy.deepcopy(list(self), memo))
+        if self.target is not None:
+            self.target._copied(self, other)
+        return other
 
 
 class ShardedCapture(Capture):
@@ -224,8 +235,8 @@ class ShardedTarget(Target):
             raise RuntimeError("a sharded target runs on caches it made itself (its make_cache)")
         self.tick()
         if self._pending:  # the last operation's collectives, before this one's (the other ranks ran them)
-            mx.eval(self._pending)
-            self._pending = []
+            pending, self._pending = self._pending, []  # once: after a failed collective, never evaluated again
+            mx.eval(pending)
         n = count if tokens is None else tokens.size
         ids = mx.zeros((0,), mx.int32) if tokens is None else tokens.reshape(-1).astype(mx.int32)
         inline = ids if n <= MESSAGE_IDS else ids[:0]
@@ -249,15 +260,28 @@ class ShardedTarget(Target):
     def make_cache(self) -> ShardedCache:
         cache = ShardedCache(super().make_cache())
         if self.leader:
-            freed = []
-            while self._freed:  # emptied in place: the finalizers of live caches append to this list
-                freed.append(self._freed.pop())
-            if freed:
-                self.lead(FREE, None, mx.array(freed, mx.int32))
-            cache.key = next(self._keys)
+            self._announce_freed()
+            self._name(cache)
             self.lead(START, cache)
-            weakref.finalize(cache, self._freed.append, cache.key)
         return cache
+
+    def _name(self, cache: ShardedCache) -> None:
+        """Rank 0: give `cache` the next key; once it is gone, the other ranks are told to drop theirs."""
+        cache.key, cache.target = next(self._keys), self
+        weakref.finalize(cache, self._freed.append, cache.key)
+
+    def _announce_freed(self) -> None:
+        freed = []
+        while self._freed:  # emptied in place: the finalizers of live caches append to this list
+            freed.append(self._freed.pop())
+        if freed:
+            self.lead(FREE, None, mx.array(freed, mx.int32))
+
+    def _copied(self, cache: ShardedCache, other: ShardedCache) -> None:
+        """Rank 0 copied `cache` into `other` (`ShardedCache.__deepcopy__`): the other ranks copy theirs."""
+        self._announce_freed()
+        self._name(other)
+        self.lead(COPY, cache, count=other.key)
 
     def _trim(self, cache: list, n: int) -> None:
         """`Target._trim`, announced (a prompt cache cut back to the prefix a new prompt shares)."""
@@ -297,10 +321,18 @@ def leading(target: ShardedTarget):
         raise RuntimeError("only rank 0 leads; the other ranks follow (distributed.follow)")
     try:
         yield target
-    except BaseException:
-        with contextlib.suppress(RuntimeError):  # the others may be gone (the error itself may say so)
-            target.lead(STOP, None)
+    except BaseException as e:
+        # the others may be gone (the error itself may say so): a collective then fails, or never returns
+        with contextlib.suppress(RuntimeError), deadline(STOP_TIMEOUT, f"dflash2: error: {e}"):
+            stop(target)
         raise
+    stop(target)
+
+
+def stop(target: ShardedTarget) -> None:
+    """Rank 0: the other ranks stop following (their `follow` returns). Call it once no operation runs."""
+    if not target.leader:
+        raise RuntimeError("only rank 0 stops the others; the other ranks follow (distributed.follow)")
     target.lead(STOP, None)
 
 
@@ -357,6 +389,8 @@ def follow(target: ShardedTarget) -> None:
                 tap.rollback(caches[key], verified[key], n)
             elif op == TRIM:
                 target._trim(caches[key], n)
+            elif op == COPY:  # n: the copy's key
+                caches[n] = copy.deepcopy(caches[key])
             else:
                 raise RuntimeError(f"rank 0 asked for operation {op}, which this version does not know: run the same "
                                    "version of dflash2 in every process")

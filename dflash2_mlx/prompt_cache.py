@@ -74,7 +74,9 @@ class PromptCache:
     def shared(self, model, drafter, prompt: list[int], target_only: bool = False) -> int:
         """How many leading tokens of `prompt` a generation on `model` and `drafter` can take from this slot (0:
         none); `target_only`: for a generation that needs the target's cache alone (batched plain decoding),
-        whatever drafter filled the slot."""
+        whatever drafter filled the slot. `model` may be a `Target` (a sharded target's rank 0 passes one)."""
+        if isinstance(model, Target):
+            model = model.model
         if self.owner is None or self.owner[0] is not model or (self.owner[1] is not drafter and not target_only):
             return 0
         covered = _offset(self.target_cache)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -483,3 +484,110 @@ def test_a_patched_pipeline_runs_the_unpatched_layers(arch, monkeypatch):
         window = reference.model.sliding_window if getattr(layer, "use_sliding", False) else None
         h = layer(h, create_attention_mask(h, None, window_size=window), None)
     assert mx.array_equal(sent[0][0], h)
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+
+SERVE_TOKENS = 16
+
+
+def start_ranks(command: list[str], folder: Path, n: int = 2, env: dict | None = None) -> list[subprocess.Popen]:
+    """`command` as ranks 0..n-1 of a ring over 127.0.0.1, as `mlx.launch` starts them (stderr in folder/errR.txt;
+    `env`: more environment variables)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hostfile = folder / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    env = {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return [subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}, stdout=subprocess.DEVNULL,
+                             stderr=open(folder / f"err{rank}.txt", "w"), cwd=ROOT) for rank in range(n)]
+
+
+def serving_port(procs: list[subprocess.Popen], err: Path, timeout: float) -> int:
+    """The port rank 0 says it serves on (its stderr line), once it does."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for line in err.read_text().splitlines():
+            if line.startswith("[dflash2] serving ") and " on http://" in line:
+                return int(line.rsplit(":", 1)[1])
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a rank ended before serving: {[p.returncode for p in procs]}\n{err.read_text()[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"rank 0 did not serve within {timeout} s:\n{err.read_text()[-3000:]}")
+
+
+def test_serve_under_two_processes_matches_one_process(tmp_path):
+    """`dflash2 serve --tensor-parallel` as two ring processes (adaptive mode: the cycle costs measured at startup, both
+    processes running those forwards): the openai client's T = 0 chat answers, streamed and not, are mlx-lm's
+    greedy text of the same prompts in one process; a second turn reuses the first's cached prefix, a branching
+    turn a copy of it (copied in both processes: the turn it branched from still answers the same after); /health
+    says the target is sharded and batching is off; SIGTERM to rank 0 ends both processes with 0, and only rank 0
+    ever serves."""
+    import urllib.request
+
+    import openai
+    from mlx_lm.generate import generate as mlx_lm_generate
+    from mlx_lm.utils import load as mlx_lm_load
+
+    # qwen3: a qwen2 folder's tokenizer loads as transformers' Qwen2Tokenizer, which drops the tiny words
+    target = save_target(tmp_path / "target", "qwen3")
+    model, tokenizer = mlx_lm_load(str(target))
+    drafter = save_drafter(tmp_path / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
+
+    def expected(messages: list[dict]) -> str:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return mlx_lm_generate(model, tokenizer, ids, max_tokens=SERVE_TOKENS)
+
+    command = [*CLI, "serve", "--model", str(target), "--draft-model", str(drafter), "--tensor-parallel", "--backend",
+               "ring", "--port", "0", "--kernels", "mlx", "--max-tokens", str(SERVE_TOKENS), "--connect-timeout",
+               "60"]
+    folder = tmp_path / "launch"
+    procs = start_ranks(command, folder, env={"DFLASH2_COSTS": str(tmp_path / "costs.json")})  # measured anew
+    try:
+        port = serving_port(procs, folder / "err0.txt", LAUNCH_TIMEOUT)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+
+        def chat(messages: list[dict], stream: bool) -> tuple[str, int]:
+            """(the answer's text, the prompt tokens taken from the prompt cache)."""
+            if not stream:
+                r = client.chat.completions.create(model="default_model", messages=messages, temperature=0)
+                return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+            text, cached = "", None
+            for chunk in client.chat.completions.create(model="default_model", messages=messages, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.usage is not None:
+                    cached = chunk.usage.prompt_tokens_details.cached_tokens
+            return text, cached
+
+        turn1 = [{"role": "user", "content": "w3 w14 w15 w92 w7"}]
+        a1, cached1 = chat(turn1, stream=True)
+        assert a1 == expected(turn1) and a1 and cached1 == 0
+        turn2 = [*turn1, {"role": "assistant", "content": a1}, {"role": "user", "content": "w40 w5 w17"}]
+        a2, cached2 = chat(turn2, stream=True)
+        assert a2 == expected(turn2)
+        first_prompt = len(tokenizer.apply_chat_template(turn1, add_generation_prompt=True))
+        assert cached2 >= first_prompt  # the first turn's prompt at least, from its slot
+        branch = [*turn1, {"role": "assistant", "content": a1}, {"role": "user", "content": "w6 w71 w8 w100"}]
+        a3, cached3 = chat(branch, stream=False)
+        assert a3 == expected(branch) and cached3 >= first_prompt  # a copy of the second turn's slot, cut back
+        again, cached4 = chat(turn2, stream=False)  # the slot the branch was copied from, whole in both processes
+        assert again == a2 and cached4 > cached2
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as response:
+            health = json.loads(response.read())
+        assert health["sharded"]["mode"] == "tensor" and health["sharded"]["processes"] == 2
+        assert health["sharded"]["batching"] is False and health["batch"]["decode_concurrency"] == 1
+        assert health["batch"]["batched_steps"] == 0
+
+        procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    errors = [(folder / f"err{r}.txt").read_text() for r in (0, 1)]
+    assert codes == [0, 0], errors
+    assert "sharded tensor-parallel over 2 processes: requests run one at a time" in errors[0]
+    assert "serving" not in errors[1] and "measuring this machine's cycle costs" in errors[0], errors
