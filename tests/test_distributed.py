@@ -336,12 +336,8 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
                  runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "out").mkdir()
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
-    procs = [subprocess.Popen(command, env={**env, "MLX_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in (0, 1)]
+    folder = tmp_path / "launch"
+    procs = start_ranks([sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")], folder)
     try:
         end = time.monotonic() + 120
         while not (tmp_path / "out" / "long-rank1.json").exists() and time.monotonic() < end:
@@ -349,11 +345,12 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
         time.sleep(2)  # generating by now
         assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
         procs[1].kill()
-        _, err = procs[0].communicate(timeout=60)
+        procs[0].wait(timeout=60)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
+    err = (folder / "err0.txt").read_text()
     assert procs[0].returncode != 0
     # the ring's own error where its collective fails; where MLX's all_gather never returns (it does not when a
     # peer dies), rank 0's watchdog after its 5 s peer timeout
