@@ -103,16 +103,21 @@ def launch(commands: list[list[str]], folder: Path, timeout: float = LAUNCH_TIME
     return results
 
 
+def write_index(folder: Path) -> Path:
+    """The weight index `sharded_load` reads for pipelines, for a folder's one model.safetensors."""
+    weights = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    return folder
+
+
 def save_indexed(folder: Path, model, config: dict) -> Path:
     """An mlx-lm model folder with the weight index `sharded_load` reads for pipelines."""
     folder.mkdir(parents=True)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
     save_tokenizer(folder)
-    return folder
+    return write_index(folder)
 
 
 def build_folders(root: Path) -> dict:
@@ -123,10 +128,7 @@ def build_folders(root: Path) -> dict:
             hybrid = make_hybrid("qwen3_5")
             target = save_indexed(root / arch, hybrid, hybrid.args_config)
         else:
-            target = save_target(root / arch, arch)
-            weights = mx.load(str(target / "model.safetensors"))
-            (target / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+            target = write_index(save_target(root / arch, arch))
         model, _ = load_model(target)
         for kind, make in (("v1", make_drafter), ("dflash2", make_dflash2_drafter)):
             drafter = make(model, block_size=8, mask_token_id=5)  # reads target layers 1 and 3 (of 0..3)
@@ -326,10 +328,7 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     """Rank 1 killed while rank 0 generates: rank 0 ends with a message, never hangs (the ring's own error, or the
     watchdog's after --peer-timeout where an MLX collective does not return)."""
     model_dir = tmp_path / "models"
-    target = save_target(model_dir / "qwen2", "qwen2")
-    weights = mx.load(str(target / "model.safetensors"))
-    (target / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    target = write_index(save_target(model_dir / "qwen2", "qwen2"))
     model, _ = load_model(target)
     drafter = save_drafter(model_dir / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
     jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT, peer_timeout=5,
@@ -389,10 +388,7 @@ def test_architectures_that_cannot_be_sharded_are_refused():
 def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     """`mlx.launch -n 2 -- python -m dflash2_apps.cli generate ... --pipeline`: one JSON line (rank 0's), the
     tokens of the same command in one process. The target is a qwen3, which mlx-lm does not pipeline itself."""
-    target = save_target(tmp_path / "target", "qwen3")
-    weights = mx.load(str(target / "model.safetensors"))
-    (target / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+    target = write_index(save_target(tmp_path / "target", "qwen3"))
     model, _ = load_model(target)
     drafter = save_drafter(tmp_path / "drafter", make_dflash2_drafter(model, block_size=8, mask_token_id=5))
     flags = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "w1 w2 w3",
