@@ -81,7 +81,7 @@ def token_logprobs(rows: mx.array, tokens: list[int], n: int) -> list[tuple[floa
     return [(c, sorted(zip(i, v), key=lambda p: -p[1])) for c, i, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
 
 
-def stream_generate(model, tokenizer, prompt, drafter=None, *, logprobs: int | None = None, **kwargs):
+def relayed_cycles(model, tokenizer, prompt, drafter=None, *, logprobs: int | None = None, **kwargs):
     """The worker's generation: `stream_cycles`' records as `Record`s; `logprobs` N (None: none) reads each
     token's log-probability and the N best of its row, one host read per cycle, only for requests that ask."""
     records = stream_cycles(model, tokenizer, prompt, drafter, **kwargs)
@@ -131,7 +131,7 @@ class ServeSettings:
 @dataclass
 class Job:
     prompt: list[int]  # token ids (MLX arrays are made in the worker's thread, which evaluates them)
-    kwargs: dict  # stream_generate's keyword arguments
+    kwargs: dict  # relayed_cycles's keyword arguments
     deadline: float  # time.monotonic()
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -153,7 +153,7 @@ class Batched:
 
 
 class Worker:
-    """The one thread that runs generations. A lone request decodes speculatively (`stream_generate`); while
+    """The one thread that runs generations. A lone request decodes speculatively (`relayed_cycles`); while
     more than one is active they decode together, by plain steps, in mlx-lm's `BatchGenerator` (continuous
     batching: requests join and leave between steps). A speculative request that others queue behind joins the
     batch at its next cycle boundary, moved there with its prompt and committed tokens and a copy of its target
@@ -303,7 +303,7 @@ class Worker:
             kwargs.get("max_context") is not None and len(prompt) >= kwargs["max_context"]
         slot = PromptCache() if self.caches is None else \
             self.caches.take(self.model, None if plain else self.drafter, prompt)
-        records = stream_generate(self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot, **kwargs)
+        records = relayed_cycles(self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot, **kwargs)
         reason, generated, handover = "finished", done, False
         try:
             for r in records:
@@ -448,7 +448,7 @@ class Worker:
         entries[uid] = Batched(job, detokenizer, generated, cached, len(rest), time.perf_counter())
 
     def _record(self, e: Batched, token: int, logprobs: mx.array, finish: str | None) -> Record:
-        """The record of one batched step, as `stream_generate` gives one (EOS is never rendered); `logprobs`:
+        """The record of one batched step, as `relayed_cycles` gives one (EOS is never rendered); `logprobs`:
         the row the batch chose `token` from (mlx-lm's, processed and log-softmaxed)."""
         if finish != "stop":
             e.detokenizer.add_token(token)
@@ -673,7 +673,7 @@ class Logprobs:
 
 
 def warm_start(model, drafter, defaults: dict) -> dict:
-    """`stream_generate`'s keyword arguments that spare every request the measurement of this machine's cycle
+    """`stream_cycles`'s keyword arguments that spare every request the measurement of this machine's cycle
     costs: adaptive mode's cost model, or ddtree's tree budget when --tree-budget is unset, loaded from the cache
     or measured now, before the server accepts a request. Requests never measure: a stale verdict during serving
     drops the cached copy (logged; the next start measures anew) while this curve stays in use, adaptive mode
@@ -709,7 +709,7 @@ class App:
 
     def __init__(self, model, tokenizer, drafter, model_id: str, defaults: dict, settings: ServeSettings,
                  served_names: tuple[str, ...] = ()):
-        """`defaults`: `stream_generate`'s keyword arguments for what a request leaves unset; `served_names`:
+        """`defaults`: `stream_cycles`'s keyword arguments for what a request leaves unset; `served_names`:
         the names (beside `model_id`) clients may use in 'model' (--served-model-name). The cycle costs
         adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`), before
         the worker starts. `model` may be rank 0's `distributed.ShardedTarget` (its measurements announced to the

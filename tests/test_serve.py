@@ -233,7 +233,7 @@ def test_models_health_and_unknown_routes(served):
 def gated(monkeypatch):
     """Generations hold after their first record until the gate opens; `counts` has the records each
     generation gave the worker."""
-    gate, counts, real = threading.Event(), [], serve.stream_generate
+    gate, counts, real = threading.Event(), [], serve.relayed_cycles
 
     def held(*args, **kwargs):
         counts.append(0)
@@ -243,7 +243,7 @@ def gated(monkeypatch):
             counts[-1] += 1
             yield record
 
-    monkeypatch.setattr(serve, "stream_generate", held)
+    monkeypatch.setattr(serve, "relayed_cycles", held)
     try:
         yield gate, counts
     finally:

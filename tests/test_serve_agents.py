@@ -265,7 +265,7 @@ def emitting(monkeypatch, tokenizer, text: str):
                                 generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
                                 verify_mode="dflash", block_size=None if n == 1 else 4)
 
-    monkeypatch.setattr(serve, "stream_generate", generation)
+    monkeypatch.setattr(serve, "relayed_cycles", generation)
     yield prompts
 
 
@@ -428,7 +428,7 @@ def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
 def held_first(monkeypatch):
     """The first generation holds before its second record (a speculative cycle) until the gate opens; `holding`
     is set once it waits there."""
-    gate, holding, real = threading.Event(), threading.Event(), serve.stream_generate
+    gate, holding, real = threading.Event(), threading.Event(), serve.relayed_cycles
     calls = []
 
     def held(*args, **kwargs):
@@ -440,7 +440,7 @@ def held_first(monkeypatch):
                 assert gate.wait(TIMEOUT), "the test never opened the gate"
             yield record
 
-    monkeypatch.setattr(serve, "stream_generate", held)
+    monkeypatch.setattr(serve, "relayed_cycles", held)
     try:
         yield gate, holding
     finally:
