@@ -12,8 +12,9 @@ bought by plain decoding. That needs two numbers per block size B on this machin
 `AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps. The
 estimates start from the drafter card's held-out acceptance by position (neutral without a card). While
 plain steps win it runs them block_max at a time, each run after a shadow probe: one drafter pass (a fifth
-of a target step or less), whose drafts are scored against the tokens the run then commits, so a drafter
-that starts accepting again is noticed within a run or two at a fraction of a verify's cost. The choice
+of a target step or less), whose drafts are scored against the tokens the run then commits (the run ends
+there if they say drafting pays), so a drafter that starts accepting again is noticed within a run or two at
+a fraction of a verify's cost. The runs are pipelined from one to the next (`decode.dflash_steps`). The choice
 reads only committed tokens and the drafter's own outputs, and only decides how many tokens a cycle
 proposes: every committed token is still the target's, so any choice is lossless.
 """
@@ -205,13 +206,22 @@ class FixedBlocks:
     def next_block(self, left: int | None) -> int:
         return self.block_size if left is None else max(2, min(self.block_size, left))
 
+    def drafting_wins(self, left: int | None) -> bool:
+        """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
+        says so (its score is read once the probe's drafts are matched) ends there."""
+        top = self.block_max if left is None else min(self.block_max, left)
+        if top < 2:
+            return False
+        rates = self.rates(top)
+        return max(rates[b] for b in rates if b > 1) > rates[1]
+
     def plain_run(self, left: int | None) -> int:
         raise AssertionError("fixed blocks never choose plain steps")
 
     def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
         pass
 
-    def observe_plain(self, steps: int, seconds: float) -> None:
+    def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         pass
 
 
@@ -316,6 +326,15 @@ class AdaptiveBlocks:
         self.drafting = B > 1
         return B
 
+    def drafting_wins(self, left: int | None) -> bool:
+        """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
+        says so (its score is read once the probe's drafts are matched) ends there."""
+        top = self.block_max if left is None else min(self.block_max, left)
+        if top < 2:
+            return False
+        rates = self.rates(top)
+        return max(rates[b] for b in rates if b > 1) > rates[1]
+
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""
         run, self.timing_steps = self.timing_steps or self.run, 0
@@ -349,8 +368,10 @@ class AdaptiveBlocks:
         self.recent_seen[i] = self.recent_decay * self.recent_seen[i] + seen
         self.recent_hits[i] = self.recent_decay * self.recent_hits[i] + hits
 
-    def observe_plain(self, steps: int, seconds: float) -> None:
-        self.scale_plain = self._mix(self.scale_plain, seconds / steps / self.costs.passes_s(1))
+    def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
+        """`seconds` of `steps` plain steps and `probes` shadow probes (a drafter pass each) among them."""
+        expected = steps * self.costs.passes_s(1) + probes * self.costs.draft_s[self.block_max - 2]
+        self.scale_plain = self._mix(self.scale_plain, seconds / expected)
 
     def stale(self) -> bool:
         """Whether this generation's timings say the measured costs are off by more than STALE_RATIO: plain

@@ -41,8 +41,8 @@ class Step(NamedTuple):
     accepted: int | None = None  # drafts accepted; None for the prefill token and plain decoding
     draft_failed: bool = False  # the drafter gave non-finite logits: this cycle was a plain step
     block_size: int | None = None  # the cycle's block size; 1 for a plain step of a speculative generation
-    # the last step of an adaptive plain run: its shadow probe's P(drafts 1..i accepted), i = 1.. (its drafts
-    # scored by the run's tokens, `sampling.draft_acceptance`)
+    # the step of an adaptive plain run whose token matched its shadow probe's last draft: the probe's P(drafts
+    # 1..i accepted), i = 1.. (its drafts scored by the run's tokens, `sampling.draft_acceptance`)
     shadow: list[float] | None = None
     # [len(tokens), V]: row i the log-probabilities tokens[i] was chosen from (the processed target row,
     # log-softmaxed; mlx-lm's `logprobs`), lazy: nothing is computed unless a caller evaluates it
@@ -100,27 +100,50 @@ def dflash_steps(
             clear_at = _free_buffers(produced, clear_at)
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             if B == 1:
-                run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-                # Shadow probe: the drafter's next block from the committed rows (which it keeps), scored by
-                # the tokens this run commits: evidence at a drafter pass's cost, no verify.
-                shadow = drafter.propose(_block(anchor, min(blocks.block_max, run + 1), mask_id), context[None],
-                                         draft_cache, params, walk)
-                mx.async_eval([a for a in shadow if a is not None])
-                rows, drawn, logits = [], [], []
-                for i, (step, anchor) in enumerate(_plain_run(tap, cache, anchor, params, run, rows.append,
-                                                              logits.append, procs)):
-                    drawn.append(anchor)
-                    if i == run - 1:  # every token of the run drawn: the probe's score, read with the last one
-                        chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
-                        blocks.observe_shadow(chain, single)
-                        step = step._replace(shadow=chain)
-                    yield state.commit(step, rows)
-                    tic = tic if i else time.perf_counter()  # steady pipelined steps are timed from here
-                context, produced = mx.concatenate(rows), produced + run
-                if run > 1:
-                    blocks.observe_plain(run - 1, time.perf_counter() - tic)
+                # Plain steps, pipelined as `plain_steps` is, also from one run to the next: a step is always in
+                # flight. Each run starts with a shadow probe: the drafter's next block from the rows it has not
+                # taken in (which it keeps), scored by the tokens the run then commits: evidence at a drafter
+                # pass's cost, no verify.
+                pending = [context]  # features of fed rows the drafter has yet to take in; the last: in flight
+                ahead = _plain_step(tap, cache, anchor, params, procs, pending)
+                timed_from, timed = None, 0
+                while B == 1:
+                    run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
+                    shadow = drafter.propose(_block(anchor, min(blocks.block_max, run + 1), mask_id),
+                                             mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
+                    mx.async_eval([a for a in shadow if a is not None])
+                    del pending[:-1]
+                    drawn, logits = [], []
+                    scored = min(run, shadow.tokens.shape[0])  # the run's tokens the probe's drafts are matched with
+                    for i in range(run):
+                        anchor, row = ahead
+                        ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
+                        drawn.append(anchor)
+                        logits.append(row)
+                        step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
+                        if i == scored - 1:  # every draft matched: the probe's score, read with this token
+                            chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
+                            blocks.observe_shadow(chain, single)
+                            step = step._replace(shadow=chain)
+                        yield state.commit(step, pending)
+                        # steady steps are timed from the first one read (the one before it waited for a cycle)
+                        timed_from, timed = (time.perf_counter(), 0) if timed_from is None else (timed_from, timed + 1)
+                        if i == scored - 1 and i < run - 1 and blocks.drafting_wins(
+                                None if max_tokens is None else max_tokens - produced - i):
+                            run = i + 1  # the probe says drafting pays now: the run ends here
+                            break
+                    produced += run
+                    if timed:  # the window holds this run's probe
+                        blocks.observe_plain(timed, time.perf_counter() - timed_from, probes=1)
+                    timed_from, timed = time.perf_counter(), 0
+                    clear_at = _free_buffers(produced, clear_at)
+                    B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
+                # Drafting again: the step in flight commits its token first, and the cycle drafts from the next.
+                anchor, row = ahead
+                yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), pending)
+                context, produced = mx.concatenate(pending), produced + 1
+                B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
                 tic = time.perf_counter()
-                continue
             # Draft: one drafter pass proposes B-1 tokens from [anchor, mask * (B-1)].
             proposal = drafter.propose(_block(anchor, B, mask_id), context[None], draft_cache, params, walk)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
@@ -223,19 +246,13 @@ def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None,
     return token, row
 
 
-def _plain_run(tap: Capture, cache: list, anchor: mx.array, params: SamplingParams, n: int, keep_features,
-               keep_logits, procs: Processing | None = None):
-    """n plain steps inside a speculative generation, pipelined as `plain_steps` is: yields (step, the next
-    anchor) and hands each fed token's features to `keep_features`, for the drafter's next context, and the
-    logits the next token is drawn from (processed, with processors) to `keep_logits`."""
-    token, row = anchor, None
-    for i in range(n + 1):
-        if i < n:  # the next step is scheduled before this one's token is read
-            logits, features = tap.forward(token.reshape(1), cache)
-            next_token, next_row = _choose(logits[-1], params, procs)
-            keep_features(features)
-            keep_logits(next_row)
-            mx.async_eval(next_token, features)
-        if i > 0:
-            yield Step([token.item()], block_size=1, logprobs=log_softmax(row)[None]), token
-        token, row = next_token, next_row
+def _plain_step(tap: Capture, cache: list, token: mx.array, params: SamplingParams, procs: Processing | None,
+                keep_features: list) -> tuple[mx.array, mx.array]:
+    """Feed `token` (a plain step inside a speculative generation) and schedule it: returns (the next token, the
+    row it is drawn from: processed, with processors), both lazy, and appends the fed row's features to
+    `keep_features` (for the drafter's next context)."""
+    logits, features = tap.forward(token.reshape(1), cache)
+    next_token, row = _choose(logits[-1], params, procs)
+    keep_features.append(features)
+    mx.async_eval(next_token, features)
+    return next_token, row

@@ -47,8 +47,8 @@ class CycleResponse:
     draft_failed: bool = False  # non-finite draft logits: this cycle committed one plain-decoding token
     block_size: int | None = None  # this cycle's block size; 1 for a plain step chosen by adaptive mode
     tree_budget: int | None = None  # ddtree: draft nodes per tree (given, or chosen from the measured costs)
-    # adaptive mode, the last step of a plain run: P(drafts 1..i accepted) for the drafts of its shadow probe,
-    # scored by the run's own tokens (at T > 0 an estimate; see `sampling.draft_acceptance`)
+    # adaptive mode, the step of a plain run that completes its shadow probe's score: P(drafts 1..i accepted)
+    # for the probe's drafts, scored by the run's own tokens (at T > 0 an estimate; see `sampling.draft_acceptance`)
     shadow: list[float] | None = None
     # [len(tokens), V]: the log-probabilities each token was chosen from (the target's processed row,
     # log-softmaxed: mlx-lm's `logprobs`), a lazy MLX array: computed only when read

@@ -226,7 +226,7 @@ def measured(monkeypatch):
     monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: COSTS)
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
     monkeypatch.setattr(AdaptiveBlocks, "observe_cycle", lambda self, B, a, s: cycle(self, B, a, COSTS.passes_s(B)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s: plain(self, n, n * COSTS.verify_s[0]))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * COSTS.verify_s[0]))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
@@ -363,7 +363,7 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
     monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
                         lambda self, B, a, s: cycle(self, B, a, cycle_off * plain_off * costs.passes_s(B)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s: plain(self, n, plain_off * n * costs.verify_s[0]))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, plain_off * n * costs.verify_s[0]))
     generate(model, tokenizer, prompt, drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert (key not in kept) == stale and "another machine" in kept
@@ -371,3 +371,25 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
         monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: costs)
         load_or_measure_costs(bind_drafter(drafter, model), drafter, 4)
         assert key in json.loads((tmp_path / "costs.json").read_text())
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_a_plain_run_ends_where_its_probe_says_drafting_pays(tokenizer, measured, monkeypatch, cut):
+    """A first plain run of 16 steps whose probe (7 drafts, all right: the oracle) is scored at the run's 7th
+    token: the run ends there, the step already in flight commits one more token, and the next record is a
+    cycle. Control: with the early end switched off the run takes all 16 steps."""
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    monkeypatch.setattr(generate_module, "block_policy",
+                        lambda target, drafter, B, mode, costs=None: AdaptiveBlocks(COSTS, B, timing_steps=16))
+    if not cut:
+        monkeypatch.setattr(AdaptiveBlocks, "drafting_wins", lambda self, left: False)
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
+                                                   verify_mode="adaptive", max_tokens=40, eos_token_ids=[]))
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=40, eos_token_ids=[])
+    assert [t for r in records for t in r.tokens] == plain
+    first_cycle = next(i for i, r in enumerate(records) if r.block_size and r.block_size > 1)
+    probed = [i for i, r in enumerate(records) if r.shadow is not None]
+    assert probed[0] == 7 and records[7].shadow == [1.0] * 7
+    assert first_cycle == (1 + 7 + 1 if cut else 1 + 16 + 1)  # the prefill's token, the run, the step in flight
+    assert all(r.block_size == 1 for r in records[1:first_cycle])
