@@ -3,8 +3,9 @@
 Methods: mlx-lm's own generation (the baseline users know), plain decoding through our loop, mlx-lm's
 classic speculative decoding (with --baseline-draft-model), each DFlash drafter at each block size
 (DFlash 2 with both walks), and peer engines with the same drafters (`peers.py`, each in its own process).
-Trials interleave the methods, in alternating order (A B C, then C B A: the ABBA design), so drift on a
-shared machine hits them alike: over a pair of trials a linear drift adds the same to every method's time.
+Each prompt runs every method back to back, in alternating order (A B C, then C B A from one prompt and one
+trial to the next: the ABBA design), so drift on a shared machine hits them alike: over a pair a linear drift
+adds the same to every method's time, and a prompt's methods are compared on runs seconds apart, not minutes.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
 The report (terminal tables, markdown, JSON) is `bench_report.py`; `--tree-sim` is `tree_sim.py`.
 """
@@ -262,13 +263,16 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 attempt(m, run_method, model, tokenizer, prompts[0], min(max_tokens, 16), temp, classic_draft)
                 bar.advance(task)
             for trial in range(1, trials + 1):
-                for m in methods if trial % 2 else methods[::-1]:  # ABBA: see the module's docstring
-                    mx.random.seed(trial)
-                    runs[m.name].append(
-                        [attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft) for p in prompts])
-                    if temp == temps[0]:  # greedy timings, right after the runs they split: drift hits both alike
+                for m in methods:
+                    runs[m.name].append([None] * len(prompts))
+                for i, p in enumerate(prompts):
+                    for m in methods if (trial + i) % 2 else methods[::-1]:  # ABBA: see the module's docstring
+                        mx.random.seed(trial)
+                        runs[m.name][-1][i] = attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft)
+                        bar.advance(task)
+                if temp == temps[0]:  # greedy timings of each method's passes, right after the trial's runs
+                    for m in methods:
                         parts[m.name].append(attempt(m, cycle_parts, model, prompts[0]))
-                    bar.advance(task, len(prompts))
             baseline = summarize(methods[0], runs[methods[0].name], None)
             if sample is None:  # every method agreeing proves nothing if the target itself babbles
                 sample = {"temperature": temp, "text": tokenizer.decode(runs[methods[0].name][0][0].tokens)}

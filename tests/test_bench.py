@@ -108,7 +108,8 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
 
 
 def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypatch):
-    """A B C, then C B A: a drift across a trial pair costs every method the same (ABBA)."""
+    """Each prompt's methods back to back, A B C, then C B A from one prompt and one trial to the next: a drift
+    across a pair costs every method the same (ABBA)."""
     import dflash2_apps.bench as bench
 
     target, drafter = tiny_pair
@@ -120,9 +121,11 @@ def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypa
 
     monkeypatch.setattr(bench, "run_method", recorded)
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--block-sizes", "4", "--trials", "3",
-                 "--num-prompts", "1", "--max-tokens", "8", "--prompts", "math"]) == 0
+                 "--num-prompts", "2", "--max-tokens", "8", "--prompts", "math"]) == 0
     order = ["mlx-lm", "plain", "drafter adaptive", "drafter B=4"]
-    assert calls == order + order + order[::-1] + order  # warm-up, then trials 1, 2, 3
+    back = order[::-1]
+    # warm-up, then trials 1, 2, 3 of prompts 1 and 2
+    assert calls == order + order + back + back + order + order + back
 
 
 def test_per_prompt_rows_compare_adaptive_with_the_faster_of_plain_and_each_fixed_block():
