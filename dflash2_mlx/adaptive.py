@@ -206,15 +206,6 @@ class FixedBlocks:
     def next_block(self, left: int | None) -> int:
         return self.block_size if left is None else max(2, min(self.block_size, left))
 
-    def drafting_wins(self, left: int | None) -> bool:
-        """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
-        says so (its score is read once the probe's drafts are matched) ends there."""
-        top = self.block_max if left is None else min(self.block_max, left)
-        if top < 2:
-            return False
-        rates = self.rates(top)
-        return max(rates[b] for b in rates if b > 1) > rates[1]
-
     def plain_run(self, left: int | None) -> int:
         raise AssertionError("fixed blocks never choose plain steps")
 
