@@ -234,9 +234,9 @@ def compare(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target, _ = target_folder(args.model, None, Path(tmp))
         drafter = str(args.draft_model or default_drafter())
-        source = str(args.model or default_target())
-        report["target"] = source if source == target else \
-            f"{source} (as the mlx-lm folder both servers load: {target})"
+        # named as the user gave it (the default: its file name), not by this machine's paths
+        source = args.model or f"the default target, {default_target().name}"
+        report["target"] = source if source == target else f"{source} (converted once to the mlx-lm folder both load)"
         report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
         ports = {name: free_port() for name in SERVERS}
         commands = {name: server_commands(args, target, drafter, ports[name])[name] for name in SERVERS}
