@@ -306,13 +306,18 @@ class AdaptiveBlocks:
         acceptance = self.decisive()
         return {B: self.expected_tokens(B, acceptance) / self.seconds(B) for B in range(1, top + 1)}
 
+    def drafting_vs_plain(self, top: int) -> float:
+        """The best drafting rate (blocks 2..top) over plain steps' rate, on the estimates a choice is made on."""
+        rates = self.rates(top)
+        return max(rates[b] for b in rates if b > 1) / rates[1]
+
     def next_block(self, left: int | None) -> int:
         top = self.block_max if left is None else max(1, min(self.block_max, left))
         if self.timing_steps or top == 1:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
-        behind = B == 1 and not self.drafting and max(rates[b] for b in rates if b > 1) < self.backoff * rates[1]
+        behind = B == 1 and not self.drafting and self.drafting_vs_plain(top) < self.backoff
         self.run = min(2 * self.run, self.shadow_max) if behind else self.shadow_run
         self.drafting = B > 1
         return B
@@ -321,10 +326,7 @@ class AdaptiveBlocks:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
         says so (its score is read once the probe's drafts are matched) ends there."""
         top = self.block_max if left is None else min(self.block_max, left)
-        if top < 2:
-            return False
-        rates = self.rates(top)
-        return max(rates[b] for b in rates if b > 1) > rates[1]
+        return top >= 2 and self.drafting_vs_plain(top) > 1
 
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""
