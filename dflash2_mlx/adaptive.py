@@ -386,3 +386,8 @@ class ShadowBlocks(AdaptiveBlocks):
 
     def next_block(self, left: int | None) -> int:
         return 1
+
+    def drafting_wins(self, left: int | None) -> bool:
+        """Never: probes at a fixed spacing. Runs cut short after good probes would probe the stretches where the
+        drafter is right more often than the text has them, and the estimate would read high."""
+        return False

@@ -16,7 +16,7 @@ from conftest import make_dflash2_drafter, make_drafter, make_oracle, make_targe
 from test_decode import prompts, run
 
 import dflash2_mlx.adaptive as adaptive
-from dflash2_mlx import generate
+from dflash2_mlx import decode, generate
 from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, load_or_measure_costs
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.loading import bind_drafter, load_drafter
@@ -393,3 +393,18 @@ def test_a_plain_run_ends_where_its_probe_says_drafting_pays(tokenizer, measured
     assert probed[0] == 7 and records[7].shadow == [1.0] * 7
     assert first_cycle == (1 + 7 + 1 if cut else 1 + 16 + 1)  # the prefill's token, the run, the step in flight
     assert all(r.block_size == 1 for r in records[1:first_cycle])
+
+
+def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(tokenizer):
+    """`ShadowBlocks` (the bench's calibration of shadow probes against fixed-block cycles) never cuts a run: with
+    the oracle every probe says drafting pays, and still each run is the whole block, so good stretches are not
+    probed more often than the text has them."""
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    drafter = make_oracle(model, prompt, 8)
+    policy = adaptive.ShadowBlocks(COSTS, 8, timing_steps=0)
+    steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
+                                                 SamplingParams(), policy, 60), 41)
+    probed = [i for i, step in enumerate(steps) if step.shadow is not None]
+    assert probed == [7, 15, 23, 31, 39]  # each run of 8: its probe scored at its 7th token
+    assert AdaptiveBlocks.drafting_wins(policy, None)  # what an adaptive run would have cut at
