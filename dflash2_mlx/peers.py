@@ -67,26 +67,50 @@ def deadline(seconds: float, message: str):
         watchdog.wait()
 
 
-@contextmanager
-def progress_watch(timeout: float, message: str):
-    """Inside the block the callable it yields (`tick`) must be called at least every `timeout` seconds; a block
-    stuck longer ends this process with `message` on stderr (exit WATCHDOG_EXIT). For work that waits on other
-    processes in collectives MLX may never return from (the ring backend's all_gather does not return when a peer
-    dies); `mx.eval` lets the watching thread run."""
-    last, done = [time.monotonic()], threading.Event()
+class Watchdog:
+    """A thread that ends this process (exit WATCHDOG_EXIT) once the deadline it holds passes: for waits on the other
+    processes inside MLX collectives that may never return (the ring backend's all_gather when a peer dies);
+    `mx.eval` lets the thread run. `arm(message)` sets the deadline `timeout` seconds from now, `disarm` clears
+    it; `say` writes the message before the process ends."""
 
-    def watch():
-        while not done.wait(min(1.0, timeout / 10)):
-            if time.monotonic() - last[0] > timeout:
-                sys.stderr.write(message + "\n")
+    def __init__(self, timeout: float, name: str, say):
+        self.timeout, self._say = timeout, say
+        self._lock = threading.Lock()
+        self._armed: tuple[float, str] | None = None  # (deadline, message)
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name=name, daemon=True).start()
+
+    def arm(self, message: str) -> None:
+        with self._lock:
+            self._armed = (time.monotonic() + self.timeout, message)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(min(1.0, self.timeout / 10)):
+            with self._lock:
+                armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
+                self._say(armed[1])
                 sys.stderr.flush()
                 os._exit(WATCHDOG_EXIT)
 
-    threading.Thread(target=watch, name="dflash2-progress-watchdog", daemon=True).start()
+
+@contextmanager
+def progress_watch(timeout: float, message: str):
+    """Inside the block the callable it yields (`tick`) must be called at least every `timeout` seconds; a block
+    stuck longer ends this process with `message` on stderr (a `Watchdog`)."""
+    watchdog = Watchdog(timeout, "dflash2-progress-watchdog", lambda text: sys.stderr.write(text + "\n"))
+    watchdog.arm(message)
     try:
-        yield lambda: last.__setitem__(0, time.monotonic())
+        yield lambda: watchdog.arm(message)
     finally:
-        done.set()
+        watchdog.close()
 
 
 def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> Peers:
@@ -127,26 +151,16 @@ class Peers:
         self.rank, self.size = group.rank(), group.size()
         self.main = self.rank == 0
         self.note = ""
-        self._lock = threading.Lock()
-        self._waiting: tuple[float, str] | None = None  # (deadline, what) of the collective being waited on
-        threading.Thread(target=self._watch, name="dflash2-peer-watchdog", daemon=True).start()
+        self._watchdog = Watchdog(timeout, "dflash2-peer-watchdog", self._give_up)
 
     def __repr__(self) -> str:
         return f"Peers(rank {self.rank} of {self.size})"
 
     # -- the watchdog -----------------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 10))
-            with self._lock:
-                waiting = self._waiting
-            if waiting is not None and time.monotonic() > waiting[0]:
-                logger.critical("rank %d of %d: %s", self.rank, self.size, self._lost_text(
-                    waiting[1], f"no answer from the other ranks for {self.timeout:.0f} s"))
-                for handler in logging.getLogger().handlers + logger.handlers:
-                    handler.flush()
-                sys.stderr.flush()
-                os._exit(WATCHDOG_EXIT)
+    def _give_up(self, text: str) -> None:
+        logger.critical("rank %d of %d: %s", self.rank, self.size, text)
+        for handler in logging.getLogger().handlers + logger.handlers:
+            handler.flush()
 
     def _lost_text(self, what: str, why: str) -> str:
         return (f"{why} during {what}: a rank died or hangs, and this one stops" + (f"; {self.note}" if self.note
@@ -156,8 +170,7 @@ class Peers:
     def waiting(self, what: str):
         """Evaluations inside the block wait on the other ranks: the watchdog ends this process if the block
         lasts `timeout` seconds, and a lost connection becomes `PeerLost`."""
-        with self._lock:
-            self._waiting = (time.monotonic() + self.timeout, what)
+        self._watchdog.arm(self._lost_text(what, f"no answer from the other ranks for {self.timeout:.0f} s"))
         try:
             yield
         except RuntimeError as e:
@@ -166,8 +179,7 @@ class Peers:
             raise PeerLost(f"rank {self.rank} of {self.size}: " + self._lost_text(what, f"lost the other ranks ({e})")
                            ) from e
         finally:
-            with self._lock:
-                self._waiting = None
+            self._watchdog.disarm()
 
     # -- collectives --------------------------------------------------------------------------------------
     def sum(self, x, what: str):
