@@ -306,18 +306,22 @@ class AdaptiveBlocks:
         acceptance = self.decisive()
         return {B: self.expected_tokens(B, acceptance) / self.seconds(B) for B in range(1, top + 1)}
 
-    def drafting_vs_plain(self, top: int) -> float:
-        """The best drafting rate (blocks 2..top) over plain steps' rate, on the estimates a choice is made on."""
-        rates = self.rates(top)
+    @staticmethod
+    def drafting_vs_plain(rates: dict[int, float]) -> float:
+        """The best drafting rate (blocks 2 and up) of `rates` (from `rates()`) over plain steps' rate."""
         return max(rates[b] for b in rates if b > 1) / rates[1]
 
+    def _top(self, left: int | None) -> int:
+        """The largest block a cycle may take with `left` tokens to go (1: plain steps only)."""
+        return self.block_max if left is None else max(1, min(self.block_max, left))
+
     def next_block(self, left: int | None) -> int:
-        top = self.block_max if left is None else max(1, min(self.block_max, left))
+        top = self._top(left)
         if self.timing_steps or top == 1:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
-        behind = B == 1 and not self.drafting and self.drafting_vs_plain(top) < self.backoff
+        behind = B == 1 and not self.drafting and self.drafting_vs_plain(rates) < self.backoff
         self.run = min(2 * self.run, self.shadow_max) if behind else self.shadow_run
         self.drafting = B > 1
         return B
@@ -325,8 +329,8 @@ class AdaptiveBlocks:
     def drafting_wins(self, left: int | None) -> bool:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
         says so (its score is read once the probe's drafts are matched) ends there."""
-        top = self.block_max if left is None else min(self.block_max, left)
-        return top >= 2 and self.drafting_vs_plain(top) > 1
+        top = self._top(left)
+        return top > 1 and self.drafting_vs_plain(self.rates(top)) > 1
 
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""

@@ -126,8 +126,10 @@ def dflash_steps(
                             blocks.observe_shadow(chain, single)
                             step = step._replace(shadow=chain)
                         yield state.commit(step, pending)
-                        # steady steps are timed from the first one read (the one before it waited for a cycle)
-                        timed_from, timed = (time.perf_counter(), 0) if timed_from is None else (timed_from, timed + 1)
+                        if timed_from is None:  # steady steps are timed from the first one read (it waited for a cycle)
+                            timed_from = time.perf_counter()
+                        else:
+                            timed += 1
                         if i == scored - 1 and i < run - 1 and blocks.drafting_wins(
                                 None if max_tokens is None else max_tokens - produced - i):
                             run = i + 1  # the probe says drafting pays now: the run ends here

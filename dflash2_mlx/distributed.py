@@ -411,8 +411,8 @@ def load(
 ):
     """(this process's `ShardedTarget`, tokenizer, drafter or None), arguments as `loading.load`'s: the target
     (an mlx-lm folder or hub id) sharded `mode`-parallel over `group` by mlx-lm's `sharded_load` (qwen3 and llama
-pipelines: `_pipeline_load`), and the drafter
-    (every process loads it whole: rank 0 runs it, every rank applies its share of `fc`). The processes first
+    pipelines: `_pipeline_load`), and the drafter (every process loads it whole: rank 0 runs it, every rank applies
+    its share of `fc`). The processes first
     check that they load the same drafter and target config (within `timeout` seconds)."""
     if model is None or str(model).endswith(".gguf"):
         raise ValueError("a sharded target is an mlx-lm model folder or hub id (mlx-lm's sharded_load); "
