@@ -722,9 +722,9 @@ class App:
         if self.defaults.keys() != defaults.keys():
             log.info("cycle costs ready in %.1f s (loaded or measured once, at startup)", time.perf_counter() - tic)
         self.request_timeout = settings.request_timeout
-        self.vocab_size = (model if isinstance(model, Target) else Target(model)).vocab_size
-        module = model.model if isinstance(model, Target) else model
-        model_context = getattr(getattr(module, "args", None), "max_position_embeddings", None)
+        target = model if isinstance(model, Target) else Target(model)
+        self.vocab_size = target.vocab_size
+        model_context = getattr(getattr(target.model, "args", None), "max_position_embeddings", None)
         self.context_length = settings.context_length or model_context
         if self.context_length is None:
             log.warning("the model does not say its context length: prompts are not checked against one "
