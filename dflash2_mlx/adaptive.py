@@ -15,8 +15,9 @@ plain steps win it runs them block_max at a time, each run after a shadow probe:
 of a target step or less), whose drafts are scored against the tokens the run then commits (the run ends
 there if they say drafting pays), so a drafter that starts accepting again is noticed within a run or two at
 a fraction of a verify's cost. The runs are pipelined from one to the next (`decode.dflash_steps`). The choice
-reads only committed tokens and the drafter's own outputs, and only decides how many tokens a cycle
-proposes: every committed token is still the target's, so any choice is lossless.
+reads only committed tokens and the drafter's own outputs, and only decides how many drafts a cycle
+verifies (each cycle's drafter pass proposes a block of block_max, the size the estimates describe: see
+`AdaptiveBlocks.drafted_block`): every committed token is still the target's, so any choice is lossless.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ class CostModel:
     def block_max(self) -> int:
         return len(self.draft_s) + 1
 
-    def passes_s(self, B: int) -> float:
-        """A cycle's two passes at block size B (B = 1: one plain step)."""
-        return self.verify_s[B - 1] + (self.draft_s[B - 2] if B > 1 else 0.0)
+    def passes_s(self, B: int, drafted: int | None = None) -> float:
+        """A cycle's two passes verifying a block of B (B = 1: one plain step), the drafter's over a block of
+        `drafted` (default B: it proposes only what is verified)."""
+        return self.verify_s[B - 1] + (self.draft_s[(drafted or B) - 2] if B > 1 else 0.0)
 
     def curve(self) -> list[tuple[int, float]]:
         """(n, target forward over n tokens / a plain step): the verify cost curve."""
@@ -206,6 +208,10 @@ class FixedBlocks:
     def next_block(self, left: int | None) -> int:
         return self.block_size if left is None else max(2, min(self.block_size, left))
 
+    def drafted_block(self, B: int) -> int:
+        """The block the drafter proposes for a cycle verifying B: B itself (oMLX's runtime block size)."""
+        return B
+
     def plain_run(self, left: int | None) -> int:
         raise AssertionError("fixed blocks never choose plain steps")
 
@@ -299,7 +305,7 @@ class AdaptiveBlocks:
         own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
         scale = own if own is not None else other if other is not None else 1.0
         shadow = self.costs.draft_s[self.block_max - 2] / self.run if B == 1 else 0.0
-        return (self.costs.passes_s(B) + shadow) * scale
+        return (self.costs.passes_s(B, self.block_max) + shadow) * scale
 
     def rates(self, top: int) -> dict[int, float]:
         """Expected committed tokens per second at each block size 1..top, on the decisive estimates."""
@@ -326,6 +332,15 @@ class AdaptiveBlocks:
         self.drafting = B > 1
         return B
 
+    def drafted_block(self, B: int) -> int:
+        """The block the drafter proposes for a cycle verifying B: always block_max, the first B - 1 drafts
+        verified. A block's rows attend to one another, so a drafter's drafts depend on the size of the block
+        they are proposed in: the estimates describe blocks of block_max (every probe proposes one), and a
+        drafter trained at that size drafts best there (`runs/README.md`: the bundled drafter's first draft is
+        accepted more often from a block of 8 than of 2 on seven of the eight long prompts). The larger pass
+        costs a little more, which `seconds` counts."""
+        return self.block_max
+
     def drafting_wins(self, left: int | None) -> bool:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
         says so (its score is read once the probe's drafts are matched) ends there."""
@@ -344,7 +359,7 @@ class AdaptiveBlocks:
         for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
             self._count(i, 1.0, float(i < accepted))
         if not self.after_plain and B in self.traced:
-            self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B))
+            self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.block_max))
         self.after_plain = False
         self.traced.add(B)
 

@@ -3,7 +3,7 @@ token tree (`tree.py`); `plain_steps` is the baseline.
 
 Both yield a `Step` per decode step and never stop on their own: the caller (`generate.stream_generate`)
 cuts at EOS and `max_tokens`. Passing `max_tokens` lets the last cycle shrink its block instead of
-drafting tokens that could never be committed. `logits_processors` (mlx-lm's) process every row a token is
+verifying drafts that could never be committed. `logits_processors` (mlx-lm's) process every row a token is
 chosen from, verify rows included (`sampling.Processing`); without them the loops run exactly as before.
 
 Every `Step` carries the log-probabilities its tokens were chosen from (`Step.logprobs`, the processed rows
@@ -146,8 +146,9 @@ def dflash_steps(
                 context, produced = mx.concatenate(pending), produced + 1
                 B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
                 tic = time.perf_counter()
-            # Draft: one drafter pass proposes B-1 tokens from [anchor, mask * (B-1)].
-            proposal = drafter.propose(_block(anchor, B, mask_id), context[None], draft_cache, params, walk)
+            # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept.
+            proposal = drafter.propose(_block(anchor, blocks.drafted_block(B), mask_id), context[None], draft_cache,
+                                       params, walk).first(B - 1)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
             # Processors see each row's drafts before it, as plain decoding would have after accepting them.

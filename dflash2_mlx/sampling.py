@@ -184,6 +184,15 @@ class Proposal(NamedTuple):
     probs: mx.array | None  # [n, k] their probabilities (T > 0 only)
     finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
 
+    def first(self, n: int) -> "Proposal":
+        """Its first n drafts, a proposal of their own: every row is drawn from its distribution given the
+        drafts before it (a DFlash 2 path walked row by row, v1's independent rows), never from later rows, so
+        the prefix is what a block of n drafts drawn the same way would be. At T = 0 any prefix is exact."""
+        if n >= self.tokens.shape[0]:
+            return self
+        cut = (lambda a: None if a is None else a[:n])
+        return Proposal(self.tokens[:n], cut(self.candidates), cut(self.probs), self.finite)
+
 
 def accept(
     proposal: Proposal, target_logits: mx.array, params: SamplingParams, metal: bool = False

@@ -218,15 +218,20 @@ def test_the_card_prior_seeds_the_policy(tmp_path, monkeypatch):
         assert policy.next_block(None) == first
 
 
-@pytest.fixture
-def measured(monkeypatch):
-    """Adaptive generations decide as if on the machine COSTS describes: its measured costs, and every cycle
+def decide_on(monkeypatch, costs: CostModel) -> None:
+    """Adaptive generations decide as if on the machine `costs` describes: its measured costs, and every cycle
     and plain step timed at exactly those costs (the tiny test models' own timings are all Python overhead,
     and would make the decisions depend on this machine's load)."""
-    monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: COSTS)
+    monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: costs)
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
-    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle", lambda self, B, a, s: cycle(self, B, a, COSTS.passes_s(B)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * COSTS.verify_s[0]))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
+                        lambda self, B, a, s: cycle(self, B, a, costs.passes_s(B, self.drafted_block(B))))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0]))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    decide_on(monkeypatch, COSTS)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
@@ -408,3 +413,39 @@ def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(t
     probed = [i for i, step in enumerate(steps) if step.shadow is not None]
     assert probed == [7, 15, 23, 31, 39]  # each run of 8: its probe scored at its 7th token
     assert AdaptiveBlocks.drafting_wins(policy, None)  # what an adaptive run would have cut at
+
+
+class RightOnlyFromFullBlocks:
+    """Wraps an oracle drafter: right (the oracle's drafts) in blocks of its trained size, wrong in any smaller
+    block, as a block-diffusion drafter drafts worse out of the block size it was trained at. Records the
+    size of every block it is given."""
+
+    def __init__(self, oracle):
+        self.oracle, self.sizes = oracle, []
+        self.full = oracle.config.block_size
+        oracle.draft_rows = self.draft_rows
+
+    def draft_rows(self, block, context, cache):
+        hidden, logits = type(self.oracle).draft_rows(self.oracle, block, context, cache)
+        self.sizes.append(block.shape[1])
+        # every draft the token after the right one: wrong
+        return hidden, logits if block.shape[1] == self.full else mx.roll(logits, 1, axis=-1)
+
+
+def test_cycles_verifying_fewer_drafts_take_them_from_a_full_block(tokenizer, monkeypatch):
+    """Where large blocks cost too much to verify, the policy picks B = 3 cycles; their two drafts are the
+    first of a full block's (8), which this drafter gets right, and not a block of 3's, which it gets wrong:
+    so every B = 3 cycle accepts both drafts. The loop proposing blocks of B fails this (no draft accepted)."""
+    steep = CostModel(verify_s=[0.072, 0.080, 0.088, 0.40, 0.45, 0.50, 0.55, 0.60], draft_s=[0.030] * 7)
+    decide_on(monkeypatch, steep)
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=60, eos_token_ids=[])
+    drafter = RightOnlyFromFullBlocks(make_oracle(model, prompt, block_size=8))
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, drafter.oracle, verify_mode="adaptive",
+                                                   max_tokens=60, eos_token_ids=[]))
+    assert [t for r in records for t in r.tokens] == plain
+    cycles = [r for r in records[:-1] if r.block_size is not None and r.block_size > 1]  # the last may be cut
+    assert len(cycles) >= 8 and {r.block_size for r in cycles} == {3}, [r.block_size for r in cycles]
+    assert all(r.accepted == 2 for r in cycles), [r.accepted for r in cycles]
+    assert set(drafter.sizes) == {8}  # probes and cycles alike

@@ -460,6 +460,15 @@ def test_dflash2_sampling_follows_mlx_lm(pair2):
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=3), params)
 
 
+def test_dflash2_adaptive_sampling_follows_mlx_lm(pair2):
+    """Adaptive cycles verify the first drafts of a full block (4): a B = 3 cycle keeps two rows of the sampled
+    path, the next one (B = 2 where one token is left) one."""
+    model, drafter, target = pair2
+    params = SETTINGS["t0.7-topp0.9"]
+    full_blocks = lambda: AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), 4, timing_steps=0)  # noqa: E731
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=4, blocks=full_blocks), params)
+
+
 def test_dflash2_test_catches_a_wrong_q(pair2, monkeypatch):
     """Sampling along the selector's path but reporting a uniform q over its candidates breaks it."""
     import dflash2_mlx.drafter as drafter_module
