@@ -338,7 +338,9 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
                        max_tokens: int, temp: float) -> list[dict]:
     """At T > 0, per drafter: the tau that adaptive mode's shadow probes expect at each fixed block size
     (1 + the mean over probes of sum_i P(drafts 1..i accepted)), from plain decoding with a probe before every
-    block_max steps on the same prompts, against the tau the fixed-block rows measured."""
+    block_max steps on the same prompts, against the tau the fixed-block rows measured. The probes (like adaptive
+    mode's cycles) propose blocks of block_max, a fixed block of B proposes a block of B: at B = block_max the two
+    are the same drafter pass, below it the row also shows what the larger block's drafts are worth."""
     eos, rows = set(tokenizer.eos_token_ids), []
     for label, drafter in {m.drafter_label: m.drafter for m in methods if m.kind == "adaptive"}.items():
         measured = {r["block_size"]: r["tau"] for r in results if r["kind"] == "dflash" and r["drafter"] == label
@@ -362,7 +364,8 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
         for B, tau in sorted(measured.items()):
             whole = [c for c in chains if len(c) >= B - 1]
             expected = 1 + sum(sum(c[: B - 1]) for c in whole) / len(whole) if whole else None
-            rows.append({"temperature": temp, "drafter": label, "block_size": B, "probes": len(whole),
+            rows.append({"temperature": temp, "drafter": label, "block_size": B, "probe_block": block_max,
+                         "probes": len(whole),
                          "expected_tau": expected, "measured_tau": tau,
                          "relative": expected / tau - 1 if expected else None})
     return rows

@@ -73,7 +73,7 @@ def render(report: dict, console=None) -> str:
     md += render_per_prompt(report.get("per_prompt", []), console)
     for c in report.get("shadow_calibration", []):
         line = (f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: tau expected from "
-                f"{c['probes']} shadow probes {c['expected_tau']:.3f}, measured by fixed-block cycles "
+                f"{c['probes']} shadow probes{_probe_block(c)} {c['expected_tau']:.3f}, measured by fixed-block cycles "
                 f"{c['measured_tau']:.3f} ({c['relative']:+.1%})" if c["expected_tau"] else
                 f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: no shadow probe")
         console.print(line, markup=False, highlight=False)
@@ -140,3 +140,10 @@ def render_per_prompt(rows: list[dict], console) -> list[str]:
 
 def report_json(report: dict) -> str:
     return json.dumps(report, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+
+
+def _probe_block(calibration: dict) -> str:
+    """' (blocks of N)' where the probes proposed larger blocks than the fixed-block cycles they are compared with
+    (reports made before the field existed say nothing)."""
+    n = calibration.get("probe_block")
+    return f" (blocks of {n})" if n and n != calibration["block_size"] else ""

@@ -63,6 +63,9 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     assert all(c["temperature"] == 1 and c["probes"] > 0 and 1 <= c["expected_tau"] <= c["block_size"]
                and 1 <= c["measured_tau"] <= c["block_size"]
                and c["relative"] == pytest.approx(c["expected_tau"] / c["measured_tau"] - 1) for c in calibration)
+    # the probes propose each drafter's full block (8 and 16): the rows of smaller fixed blocks say so
+    assert {c["drafter"]: c["probe_block"] for c in calibration} == {"drafter": 8, "drafter#2": 16}
+    assert md.count("shadow probes (blocks of 8)") == 1 and md.count("shadow probes (blocks of 16)") == 2
 
 
 def test_classic_speculative_baseline(tiny_pair, tmp_path):
