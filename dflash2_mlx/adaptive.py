@@ -305,7 +305,7 @@ class AdaptiveBlocks:
         own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
         scale = own if own is not None else other if other is not None else 1.0
         shadow = self.costs.draft_s[self.block_max - 2] / self.run if B == 1 else 0.0
-        return (self.costs.passes_s(B, self.block_max) + shadow) * scale
+        return (self.costs.passes_s(B, self.drafted_block(B)) + shadow) * scale
 
     def rates(self, top: int) -> dict[int, float]:
         """Expected committed tokens per second at each block size 1..top, on the decisive estimates."""
@@ -359,7 +359,7 @@ class AdaptiveBlocks:
         for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
             self._count(i, 1.0, float(i < accepted))
         if not self.after_plain and B in self.traced:
-            self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.block_max))
+            self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.drafted_block(B)))
         self.after_plain = False
         self.traced.add(B)
 

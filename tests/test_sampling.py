@@ -96,6 +96,12 @@ def adaptive_blocks():
     return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, timing_steps=1)
 
 
+def full_blocks():
+    """Adaptive mode drafting from the first token, with blocks of 4 (cheap drafting): a B = 3 cycle, then B = 2
+    where one token is left, each verifying the first drafts of a block of 4."""
+    return AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), 4, timing_steps=0)
+
+
 def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int, n: int = N,
                      blocks=lambda: FixedBlocks(3)) -> Counter:
     """n draws of the 3 tokens after PROMPT straight from the decode loop: speculative with `drafter`
@@ -465,7 +471,6 @@ def test_dflash2_adaptive_sampling_follows_mlx_lm(pair2):
     path, the next one (B = 2 where one token is left) one."""
     model, drafter, target = pair2
     params = SETTINGS["t0.7-topp0.9"]
-    full_blocks = lambda: AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), 4, timing_steps=0)  # noqa: E731
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=4, blocks=full_blocks), params)
 
 
