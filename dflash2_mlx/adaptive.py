@@ -238,10 +238,11 @@ class AdaptiveBlocks:
     Plain steps come in runs of `shadow_run` (default block_max), each started by a shadow probe (see
     `decode.dflash_steps`): one drafter pass proposing the next block, scored once the run has committed its
     tokens (`sampling.draft_acceptance`). A probe costs a drafter pass, not a verify, so plain stretches keep
-    gathering evidence and are never longer than one run without a decision. Where a run follows a run and
-    drafting is still clearly behind (its best rate below `backoff` of plain steps'), the run doubles, up to
-    `shadow_max` (default 2 x shadow_run), so a drafter that does not pay costs fewer probes; any closer call,
-    and any cycle, brings it back to `shadow_run`. Positions past a probe's first
+    gathering evidence and are never longer than one run without a decision. Where a run follows a run
+    (drafting still behind), the run doubles, up to `shadow_max` (default 3 x shadow_run); a cycle brings it
+    back to `shadow_run`. Where drafting does not pay, the probes are all it costs: a probe per 8 plain steps
+    is 2-3% of the time on a CPU, one per 24 under 1%, while a stretch where it pays (a passage copied from the
+    prompt) is still found within a run or two. Positions past a probe's first
     rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a first plain run
     of that many steps (default: one shadow run; 0: none) before any choice: it times plain steps on this
     generation's clock, so that the cost curve's shape (cycles against plain steps) is corrected online even
@@ -250,13 +251,13 @@ class AdaptiveBlocks:
     def __init__(self, costs: CostModel, block_max: int, prior: Sequence[float] | None = None,
                  prior_weight: float = 3.0, decay: float = 0.7, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
-                 shadow_max: int | None = None, backoff: float = 0.8):
+                 shadow_max: int | None = None):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
         self.past_rejection, self.shadow_run = past_rejection, shadow_run or block_max
         self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
-        self.shadow_max, self.backoff = shadow_max or 2 * self.shadow_run, backoff
+        self.shadow_max = shadow_max or 3 * self.shadow_run
         self.run = self.shadow_run  # the next plain run's length
         n = block_max - 1
         prior = [] if prior is None else list(prior)[:n]
@@ -304,7 +305,7 @@ class AdaptiveBlocks:
         two stay comparable)."""
         own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
         scale = own if own is not None else other if other is not None else 1.0
-        shadow = self.costs.draft_s[self.block_max - 2] / self.run if B == 1 else 0.0
+        shadow = self.probe_s / self.run if B == 1 else 0.0
         return (self.costs.passes_s(B, self.drafted_block(B)) + shadow) * scale
 
     def rates(self, top: int) -> dict[int, float]:
@@ -327,10 +328,14 @@ class AdaptiveBlocks:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
-        behind = B == 1 and not self.drafting and self.drafting_vs_plain(rates) < self.backoff
-        self.run = min(2 * self.run, self.shadow_max) if behind else self.shadow_run
+        self.run = min(2 * self.run, self.shadow_max) if B == 1 and not self.drafting else self.shadow_run
         self.drafting = B > 1
         return B
+
+    @property
+    def probe_s(self) -> float:
+        """A shadow probe's measured cost: one drafter pass over a block of block_max."""
+        return self.costs.draft_s[self.block_max - 2]
 
     def drafted_block(self, B: int) -> int:
         """The block the drafter proposes for a cycle verifying B: always block_max, the first B - 1 drafts
@@ -382,7 +387,7 @@ class AdaptiveBlocks:
 
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         """`seconds` of `steps` plain steps and `probes` shadow probes (a drafter pass each) among them."""
-        expected = steps * self.costs.passes_s(1) + probes * self.costs.draft_s[self.block_max - 2]
+        expected = steps * self.costs.passes_s(1) + probes * self.probe_s
         self.scale_plain = self._mix(self.scale_plain, seconds / expected)
 
     def stale(self) -> bool:

@@ -103,13 +103,14 @@ def dflash_steps(
                 # Plain steps, pipelined as `plain_steps` is, also from one run to the next: a step is always in
                 # flight. Each run starts with a shadow probe: the drafter's next block from the rows it has not
                 # taken in (which it keeps), scored by the tokens the run then commits: evidence at a drafter
-                # pass's cost, no verify.
+                # pass's cost, no verify. A probe proposes a whole block, the size the estimates describe, even
+                # where fewer of its drafts can be scored (a run cut short by max_tokens).
                 pending = [context]  # features of fed rows the drafter has yet to take in; the last: in flight
                 ahead = _plain_step(tap, cache, anchor, params, procs, pending)
                 timed_from, timed = None, 0
                 while B == 1:
                     run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-                    shadow = drafter.propose(_block(anchor, min(blocks.block_max, run + 1), mask_id),
+                    shadow = drafter.propose(_block(anchor, blocks.block_max, mask_id),
                                              mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
                     mx.async_eval([a for a in shadow if a is not None])
                     del pending[:-1]
