@@ -7,7 +7,8 @@ Each prompt runs every method back to back, in alternating order (A B C, then C 
 trial to the next: the ABBA design), so drift on a shared machine hits them alike: over a pair a linear drift
 adds the same to every method's time, and a prompt's methods are compared on runs seconds apart, not minutes.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
-The report (terminal tables, markdown, JSON) is `bench_report.py`; `--tree-sim` is `tree_sim.py`.
+The report (terminal tables, markdown, JSON) is `bench_report.py`; `--tree-sim` is `tree_sim.py`, `--replay`
+`replay.py`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dflash2_apps.bench_report import render, report_console, report_json
 from dflash2_apps.common import KERNELS_HELP
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
+from dflash2_apps.replay import replay_report
 from dflash2_apps.tree_sim import tree_sim
 from dflash2_mlx import stream_cycles
 from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
@@ -445,6 +447,12 @@ def add_parser(sub) -> None:
                    "default budget from this machine's costs), or the columns of --tree-sim (default there: "
                    "1,2,4,8,16,32)")
     p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
+    p.add_argument("--replay", action="store_true",
+                   help="instead of timing: record each drafter's proposals along the target's greedy answers, then "
+                   "replay plain steps, the fixed blocks of --block-sizes and adaptive mode on this machine's measured "
+                   "cost curve (T = 0): the policies' decisions without timing noise")
+    p.add_argument("--replay-traces", metavar="FILE",
+                   help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
     p.add_argument("--engines", metavar="LIST",
                    help="peer engines to add rows for, each in its own process with the same target, drafters and "
                    "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated")
@@ -486,6 +494,8 @@ def run(args) -> int:
     ]
     if args.tree_sim:
         return tree_sim(args, model, drafters)
+    if args.replay:
+        return replay_report(args, model, tokenizer, prompts, drafters)
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)

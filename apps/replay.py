@@ -1,0 +1,93 @@
+"""`dflash2 bench --replay`: plain steps, fixed blocks and adaptive mode replayed on recorded drafts (T = 0),
+timed on this machine's measured cost curve: the policies' decisions without the clock's noise."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from dflash2_mlx.adaptive import load_or_measure_costs
+from dflash2_mlx.generate import block_policy, resolve_block_size
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.replay import Trace, record, replay
+
+
+def trace_key(target, drafter, prompt: list[int], max_tokens: int, sizes: list[int], walk: str) -> str:
+    """What a trace depends on: the target's and the drafter's weights, the prompt, the length, the blocks, the
+    walk."""
+    weights = hashlib.sha256(np.array(drafter.fc.weight).tobytes()).hexdigest()[:16]
+    prompt_hash = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
+    return f"{target.fingerprint()} | drafter {weights} | prompt {prompt_hash} | {max_tokens} | B {sizes} | {walk}"
+
+
+def load_traces(path: str | None) -> dict:
+    if not path or not Path(path).exists():
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a traces file written by `dflash2 bench --replay` ({e}); give another "
+                         "--replay-traces path or delete it") from None
+
+
+def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) -> int:
+    """`bench --replay`: per drafter and prompt, each fixed block's and adaptive mode's committed tokens per
+    second relative to plain steps, replayed on the recorded greedy answer."""
+    if args.temp and any(t > 0 for t in args.temp):
+        raise ValueError("--replay replays greedy answers (T = 0) only: drop --temp, or bench at T > 0 without it")
+    known = load_traces(args.replay_traces)
+    asked = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
+    walk = (args.walk or ["greedy"])[0]
+    eos = list(tokenizer.eos_token_ids)
+    lines, rows = [], []
+    for label, drafter in drafters:
+        target = bind_drafter(drafter, model)
+        block_max = resolve_block_size(drafter, None, "adaptive")
+        fixed = sorted({resolve_block_size(drafter, B) for B in asked if B <= block_max} or
+                       {resolve_block_size(drafter, None)})
+        costs = load_or_measure_costs(target, drafter, block_max)
+        sizes = sorted({*fixed, block_max})
+        lines += [f"{label} replayed at T = 0 on this machine's cost curve (target forward over n tokens / one "
+                  f"plain step: {' '.join(f'{r:.2f}' for _, r in costs.curve())}; drafter pass "
+                  f"{costs.draft_s[0] / costs.verify_s[0]:.2f}-{costs.draft_s[-1] / costs.verify_s[0]:.2f} steps): "
+                  "committed tokens per second relative to plain steps, the same answers for every policy, the "
+                  "passes' costs only (the loop's own work left out)", ""]
+        lines += ["| drafter | prompt | tokens | " + " | ".join(f"B={B}" for B in fixed) +
+                  " | adaptive | plain % | cycles | vs best |", "|---|---|---|" + "---|" * (len(fixed) + 4)]
+        for i, prompt in enumerate(prompts, 1):
+            key = trace_key(target, drafter, prompt, args.max_tokens, sizes, walk)
+            if key in known:
+                trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()})
+            else:
+                trace = record(target, drafter, prompt, args.max_tokens, sizes, eos, walk)
+                known[key] = asdict(trace)
+            plain = 1 / costs.verify_s[0]
+            ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, args.max_tokens).tokens_per_s
+                      / plain for B in fixed}
+            run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, args.max_tokens)
+            adaptive = run.tokens_per_s / plain
+            best = max([1.0, *ratios.values()])
+            share = run.plain_steps / max(1, run.tokens - 1)
+            rows.append({"drafter": label, "prompt": i, "tokens": len(trace.tokens), "fixed": ratios,
+                         "adaptive": adaptive, "plain_share": share, "cycles": len(run.blocks),
+                         "probes": run.probes, "vs_best": adaptive / best})
+            lines.append(f"| {label} | {i} | {len(trace.tokens)} | " + " | ".join(f"{r:.2f}x" for r in ratios.values())
+                         + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {adaptive / best:.2f}x |")
+        mine = [r for r in rows if r["drafter"] == label]
+        lines += ["", f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
+                  f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "
+                  f"{min(r['vs_best'] for r in mine):.3f}x", ""]
+    if args.replay_traces:
+        Path(args.replay_traces).write_text(json.dumps(known))
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked}, indent=1))
+    return 0

@@ -1,0 +1,134 @@
+"""Block-size policies replayed on recorded drafts: what `dflash_steps` would decide and how fast it would go,
+without timing noise (T = 0).
+
+A speculative generation's speed on a shared machine varies by 5-10% from one run to the next, more than most
+policy changes are worth; a bench resolves them only over hours. At T = 0 everything the policy sees is fixed
+by the target's greedy answer and the drafter's proposals along it, so both are recorded once (`record`: plain
+decoding, and at every position the drafter's proposal from a block of each size asked), and any policy then
+replays against a cost model in milliseconds (`replay`): the same calls in the same order as the decode loop
+makes them, each cycle and plain step timed at the model's cost. The times are the model's, the decisions the
+policy's own: a replay ranks policies (and block sizes) on the recorded answers, a bench confirms on the clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import mlx.core as mx
+
+from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from .drafter import DFlashDraftModel
+from .sampling import SamplingParams
+from .target import Target
+
+
+@dataclass
+class Trace:
+    """A greedy answer and the drafter's proposals along it: `drafts[B][j]` are the B - 1 tokens the drafter
+    proposes after `tokens[j]` (its anchor) from a block of B, given everything up to it."""
+
+    tokens: list[int]
+    drafts: dict[int, list[list[int]]]
+
+    def accepted(self, j: int, B: int, drafted: int) -> int:
+        """Drafts a cycle anchored at tokens[j] accepts when it verifies the first B - 1 of a block of `drafted`:
+        their leading matches with the answer (T = 0), never past its end. A block not recorded (a fixed block
+        cut short where max_tokens ends) reads the smallest recorded block above it."""
+        drafted = min(b for b in self.drafts if b >= drafted)
+        drafts, n = self.drafts[drafted][j][: B - 1], 0
+        while n < len(drafts) and j + 1 + n < len(self.tokens) and drafts[n] == self.tokens[j + 1 + n]:
+            n += 1
+        return n
+
+
+def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max_tokens: int,
+           blocks: Iterable[int], eos: Iterable[int] = (), walk: str = "greedy") -> Trace:
+    """Greedy-decode `prompt` by plain steps (up to `max_tokens` tokens, or an `eos` token) and propose, at every
+    token, a block of each size in `blocks` (each a drafter pass: this costs about 1 + 0.2 x len(blocks) plain
+    steps per token)."""
+    sizes, eos = sorted(set(blocks)), set(eos)
+    if min(sizes) < 2:
+        raise ValueError(f"block sizes start at 2 (an anchor and a draft), got {min(sizes)}")
+    params, mask = SamplingParams(), drafter.config.mask_token_id
+    tokens, drafts = [], {B: [] for B in sizes}
+    with target.capture() as tap:
+        cache, draft_cache = target.make_cache(), drafter.make_cache()
+        logits, context = tap.prefill(mx.array(list(prompt), mx.uint32), cache)
+        anchor = mx.argmax(logits).astype(mx.uint32)
+        while True:
+            for i, B in enumerate(sizes):  # the first pass takes the new context in; the drafter keeps it
+                block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask, mx.uint32)])[None]
+                fed = context[None] if i == 0 else context[None, :0]
+                drafts[B].append(drafter.propose(block, fed, draft_cache, params, walk).tokens)
+            tokens.append(anchor)
+            if len(tokens) == max_tokens or anchor.item() in eos:
+                break
+            logits, context = tap.forward(anchor.reshape(1), cache)
+            anchor = mx.argmax(logits[-1]).astype(mx.uint32)
+    return Trace([t.item() for t in tokens], {B: [d.tolist() for d in ds] for B, ds in drafts.items()})
+
+
+@dataclass
+class Replayed:
+    """A policy's replay of one trace: seconds on the cost model, tokens committed, and how."""
+
+    seconds: float = 0.0
+    tokens: int = 1  # the prefill's token (its time is not counted: every policy pays it alike)
+    plain_steps: int = 0
+    probes: int = 0
+    blocks: list[int] = field(default_factory=list)  # each cycle's block size (plain steps: not listed)
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.tokens - 1) / self.seconds if self.seconds else 0.0
+
+
+def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
+           max_tokens: int | None = None) -> Replayed:
+    """Run `policy` over `trace` as `decode.dflash_steps` would with `max_tokens` (default: the answer's length;
+    the answer ends there or at EOS): the same calls, in the same order, with the same arguments, each cycle and
+    plain step timed at `costs` (a plain run's time includes its shadow probe)."""
+    n, out = len(trace.tokens), Replayed()
+    limit, step_s = max_tokens or n, costs.verify_s[0]
+    if isinstance(policy, AdaptiveBlocks) and policy.block_max not in trace.drafts:
+        raise ValueError(f"adaptive mode's cycles and probes propose blocks of {policy.block_max}: record them too")
+    probe_s = costs.draft_s[policy.block_max - 2] if isinstance(policy, AdaptiveBlocks) else 0.0
+    while out.tokens < n:
+        B = policy.next_block(limit - out.tokens + 1)
+        if B == 1:
+            timed = None  # steps timed as the loop times them: from the first one read, then run by run
+            while B == 1:
+                produced = out.tokens
+                run = policy.plain_run(limit - produced)
+                drafts = trace.drafts[policy.block_max][produced - 1]  # the shadow probe's
+                scored = min(run, len(drafts))
+                out.probes, out.seconds = out.probes + 1, out.seconds + probe_s
+                for i in range(run):
+                    out.tokens, out.plain_steps, out.seconds = out.tokens + 1, out.plain_steps + 1, out.seconds + step_s
+                    if i == scored - 1:
+                        single = [float(d == t) for d, t in zip(drafts, trace.tokens[produced : produced + scored])]
+                        policy.observe_shadow([float(all(single[: k + 1])) for k in range(scored)], single)
+                    if out.tokens >= n:  # the loop's caller stops reading here
+                        return out
+                    timed = 0 if timed is None else timed + 1
+                    if i == scored - 1 and i < run - 1 and policy.drafting_wins(limit - produced - i):
+                        break
+                if timed:
+                    policy.observe_plain(timed, timed * step_s + probe_s, probes=1)
+                timed = 0
+                B = policy.next_block(limit - out.tokens + 1)
+            # the step in flight commits its token; the cycle drafts from the next
+            out.tokens, out.plain_steps, out.seconds = out.tokens + 1, out.plain_steps + 1, out.seconds + step_s
+            if out.tokens >= n:
+                return out
+            B = max(2, min(B, limit - out.tokens + 1))
+        drafted = policy.drafted_block(B)
+        a = trace.accepted(out.tokens - 1, B, drafted)
+        seconds = costs.passes_s(B, drafted)
+        policy.observe_cycle(B, a, seconds)
+        out.tokens, out.seconds = min(n, out.tokens + a + 1), out.seconds + seconds
+        out.blocks.append(B)
+        out.accepted.append(a)
+    return out

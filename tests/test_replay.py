@@ -1,0 +1,121 @@
+"""Replaying block-size policies on recorded drafts (`replay.py`, `dflash2 bench --replay`): the replay makes the
+decode loop's decisions exactly, and times them at the cost model."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+from conftest import make_oracle, make_target
+from test_adaptive import COSTS, decide_on
+from test_decode import prompts
+
+from dflash2_mlx import replay as replay_module
+from dflash2_mlx.adaptive import AdaptiveBlocks, FixedBlocks
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.replay import Trace, record, replay
+
+generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
+
+
+def test_fixed_blocks_replay_commits_and_times_each_cycle_by_hand():
+    """Twelve tokens, drafts right everywhere but after token 3: counted by hand, cycle by cycle."""
+    tokens = list(range(12))
+    drafts = [[j + 1, j + 2] for j in range(12)]
+    drafts[3] = [99, 5]
+    out = replay(Trace(tokens, {3: drafts}), FixedBlocks(3), COSTS, max_tokens=12)
+    # anchors 0 (+3), 3 (+1: its first draft wrong), 4 (+3), 7 (+3), 10 (a block of 2 fits the last token: +1)
+    assert out.blocks == [3, 3, 3, 3, 2] and out.accepted == [2, 0, 2, 2, 1]
+    assert out.tokens == 12 and out.plain_steps == 0 and out.probes == 0
+    assert out.seconds == pytest.approx(4 * (COSTS.verify_s[2] + COSTS.draft_s[1]) + COSTS.verify_s[1] + COSTS.draft_s[0])
+    assert out.tokens_per_s == pytest.approx(11 / out.seconds)
+
+
+class Logged(AdaptiveBlocks):
+    """Adaptive mode, every call the decode loop makes on it logged with its arguments and answer (times left
+    out: the loop's are the clock's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = []
+
+    def next_block(self, left):
+        self.log.append(("next_block", left, super().next_block(left)))
+        return self.log[-1][-1]
+
+    def plain_run(self, left):
+        self.log.append(("plain_run", left, super().plain_run(left)))
+        return self.log[-1][-1]
+
+    def drafting_wins(self, left):
+        self.log.append(("drafting_wins", left, super().drafting_wins(left)))
+        return self.log[-1][-1]
+
+    def observe_shadow(self, chain, single):
+        self.log.append(("observe_shadow", list(chain), list(single)))
+        super().observe_shadow(chain, single)
+
+    def observe_plain(self, steps, seconds, probes=0):
+        self.log.append(("observe_plain", steps, probes))
+        super().observe_plain(steps, seconds, probes)
+
+    def observe_cycle(self, B, accepted, seconds):
+        self.log.append(("observe_cycle", B, accepted))
+        super().observe_cycle(B, accepted, seconds)
+
+
+def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch):
+    """A drafter right only inside a stretch, every cycle and plain step timed at exact costs: the real loop and
+    the replay on the recorded drafts make the same calls on the policy, in the same order, with the same
+    arguments and answers, and commit the same tokens the same way."""
+    decide_on(monkeypatch, COSTS)
+    policies = []
+    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: policies.append(
+        Logged(COSTS, B)) or policies[-1])
+    model = make_target("llama", seed=7)
+    prompt = prompts(1, seed=6)[0]
+    oracle = lambda: make_oracle(model, prompt, block_size=8, right_between=(40, 90))  # noqa: E731
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle(), verify_mode="adaptive",
+                                                   max_tokens=140, eos_token_ids=[]))
+    drafter = oracle()
+    trace = record(bind_drafter(drafter, model), drafter, prompt, 140, [8])
+    assert trace.tokens == [t for r in records for t in r.tokens]
+    policy = Logged(COSTS, 8)
+    out = replay(trace, policy, COSTS, max_tokens=140)
+    assert policy.log == policies[0].log
+    cycles = [r for r in records if r.block_size is not None and r.block_size > 1]
+    assert out.blocks == [r.block_size for r in cycles] and out.accepted == [r.accepted for r in cycles]
+    assert out.plain_steps == sum(len(r.tokens) for r in records if r.block_size == 1)
+    assert len(cycles) >= 5 and out.plain_steps >= 40  # both kinds of decision were made
+    assert out.probes == sum(r.shadow is not None for r in records)
+    assert any(c[0] == "drafting_wins" and c[2] for c in policy.log)  # a run cut short by its probe
+
+
+def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatch, capsys):
+    from dflash2_apps.cli import main
+
+    target, drafter = tiny_pair
+    traces, out, suite = tmp_path / "traces.json", tmp_path / "replay.json", tmp_path / "prompts.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2 w3 w4", "w9 w8 w7"]))
+    args = ["bench", "--model", str(target), "--draft-model", str(drafter), "--replay", "--prompts", str(suite),
+            "--num-prompts", "2", "--max-tokens", "24", "--block-sizes", "3,5", "--replay-traces", str(traces),
+            "--json", str(out), "--markdown", str(tmp_path / "replay.md")]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["replay"]
+    assert [r["prompt"] for r in rows] == [1, 2] and all(set(r["fixed"]) == {"3", "5"} for r in rows)
+    assert all(1 < r["tokens"] <= 24 and 0 < r["adaptive"] and r["cycles"] + r["probes"] > 0 for r in rows)
+    table = (tmp_path / "replay.md").read_text()
+    assert "| drafter | prompt | tokens | B=3 | B=5 | adaptive | plain % | cycles | vs best |" in table
+    assert len(json.loads(traces.read_text())) == 2  # a trace per prompt, kept
+
+    def recorded_again(*args, **kwargs):
+        raise AssertionError("the kept traces should have been replayed")
+
+    monkeypatch.setattr(replay_module, "record", recorded_again)
+    monkeypatch.setattr("dflash2_apps.replay.record", recorded_again)
+    assert main(args) == 0
+    assert json.loads(out.read_text())["replay"] == rows
+    capsys.readouterr()
+    assert main(args + ["--temp", "0.7"]) == 2
+    assert "--replay replays greedy answers (T = 0) only" in capsys.readouterr().err
