@@ -40,6 +40,8 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
     second relative to plain steps, replayed on the recorded greedy answer."""
     if args.temp and any(t > 0 for t in args.temp):
         raise ValueError("--replay replays greedy answers (T = 0) only: drop --temp, or bench at T > 0 without it")
+    if args.walk and len(args.walk) > 1:
+        raise ValueError("--replay replays one walk at a time: give one --walk")
     known = load_traces(args.replay_traces)
     asked = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
     walk = (args.walk or ["greedy"])[0]

@@ -18,6 +18,7 @@ from typing import Iterable
 import mlx.core as mx
 
 from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from .decode import _block
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams
 from .target import Target
@@ -58,9 +59,8 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
         anchor = mx.argmax(logits).astype(mx.uint32)
         while True:
             for i, B in enumerate(sizes):  # the first pass takes the new context in; the drafter keeps it
-                block = mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask, mx.uint32)])[None]
                 fed = context[None] if i == 0 else context[None, :0]
-                drafts[B].append(drafter.propose(block, fed, draft_cache, params, walk).tokens)
+                drafts[B].append(drafter.propose(_block(anchor, B, mask), fed, draft_cache, params, walk).tokens)
             tokens.append(anchor)
             if len(tokens) == max_tokens or anchor.item() in eos:
                 break

@@ -119,3 +119,5 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     capsys.readouterr()
     assert main(args + ["--temp", "0.7"]) == 2
     assert "--replay replays greedy answers (T = 0) only" in capsys.readouterr().err
+    assert main(args + ["--walk", "greedy", "--walk", "viterbi"]) == 2
+    assert "--replay replays one walk at a time" in capsys.readouterr().err
