@@ -9,6 +9,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from dflash2_mlx.adaptive import load_or_measure_costs
@@ -20,7 +21,7 @@ from dflash2_mlx.replay import Trace, record, replay
 def trace_key(target, drafter, prompt: list[int], max_tokens: int, sizes: list[int], walk: str) -> str:
     """What a trace depends on: the target's and the drafter's weights, the prompt, the length, the blocks, the
     walk."""
-    weights = hashlib.sha256(np.array(drafter.fc.weight).tobytes()).hexdigest()[:16]
+    weights = hashlib.sha256(np.array(drafter.fc.weight.astype(mx.float32)).tobytes()).hexdigest()[:16]
     prompt_hash = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
     return f"{target.fingerprint()} | drafter {weights} | prompt {prompt_hash} | {max_tokens} | B {sizes} | {walk}"
 
