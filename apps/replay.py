@@ -18,12 +18,12 @@ from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.replay import Trace, record, replay
 
 
-def trace_key(target, drafter, prompt: list[int], max_tokens: int, sizes: list[int], walk: str) -> str:
-    """What a trace depends on: the target's and the drafter's weights, the prompt, the length, the blocks, the
-    walk."""
+def trace_keys(target, drafter, prompts: list[list[int]], max_tokens: int, sizes: list[int], walk: str) -> list[str]:
+    """What each prompt's trace depends on: the target's and the drafter's weights (hashed once), the prompt, the
+    length, the blocks, the walk."""
     weights = hashlib.sha256(np.array(drafter.fc.weight.astype(mx.float32)).tobytes()).hexdigest()[:16]
-    prompt_hash = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
-    return f"{target.fingerprint()} | drafter {weights} | prompt {prompt_hash} | {max_tokens} | B {sizes} | {walk}"
+    head, tail = f"{target.fingerprint()} | drafter {weights}", f"{max_tokens} | B {sizes} | {walk}"
+    return [f"{head} | prompt {hashlib.sha256(json.dumps(p).encode()).hexdigest()[:16]} | {tail}" for p in prompts]
 
 
 def load_traces(path: str | None) -> dict:
@@ -62,14 +62,14 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
                   "passes' costs only (the loop's own work left out)", ""]
         lines += ["| drafter | prompt | tokens | " + " | ".join(f"B={B}" for B in fixed) +
                   " | adaptive | plain % | cycles | vs best |", "|---|---|---|" + "---|" * (len(fixed) + 4)]
-        for i, prompt in enumerate(prompts, 1):
-            key = trace_key(target, drafter, prompt, args.max_tokens, sizes, walk)
+        plain = 1 / costs.verify_s[0]
+        keys = trace_keys(target, drafter, prompts, args.max_tokens, sizes, walk)
+        for i, (prompt, key) in enumerate(zip(prompts, keys), 1):
             if key in known:
                 trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()})
             else:
                 trace = record(target, drafter, prompt, args.max_tokens, sizes, eos, walk)
                 known[key] = asdict(trace)
-            plain = 1 / costs.verify_s[0]
             ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, args.max_tokens).tokens_per_s
                       / plain for B in fixed}
             run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, args.max_tokens)

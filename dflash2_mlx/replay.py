@@ -32,15 +32,18 @@ class Trace:
     tokens: list[int]
     drafts: dict[int, list[list[int]]]
 
+    def matches(self, j: int, drafted: int, n: int) -> list[float]:
+        """Whether each of the first n drafts after tokens[j] from a block of `drafted` is the answer's token (1.0)
+        or not (0.0), never past the answer's end. A block not recorded (a fixed block cut short where max_tokens
+        ends) reads the smallest recorded block above it."""
+        drafts = self.drafts[min(b for b in self.drafts if b >= drafted)][j][:n]
+        return [float(d == t) for d, t in zip(drafts, self.tokens[j + 1 :])]
+
     def accepted(self, j: int, B: int, drafted: int) -> int:
         """Drafts a cycle anchored at tokens[j] accepts when it verifies the first B - 1 of a block of `drafted`:
-        their leading matches with the answer (T = 0), never past its end. A block not recorded (a fixed block
-        cut short where max_tokens ends) reads the smallest recorded block above it."""
-        drafted = min(b for b in self.drafts if b >= drafted)
-        drafts, n = self.drafts[drafted][j][: B - 1], 0
-        while n < len(drafts) and j + 1 + n < len(self.tokens) and drafts[n] == self.tokens[j + 1 + n]:
-            n += 1
-        return n
+        their leading matches with the answer (T = 0)."""
+        matches = self.matches(j, drafted, B - 1)
+        return matches.index(0.0) if 0.0 in matches else len(matches)
 
 
 def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max_tokens: int,
@@ -60,13 +63,14 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
         while True:
             for i, B in enumerate(sizes):  # the first pass takes the new context in; the drafter keeps it
                 fed = context[None] if i == 0 else context[None, :0]
-                drafts[B].append(drafter.propose(_block(anchor, B, mask), fed, draft_cache, params, walk).tokens)
-            tokens.append(anchor)
-            if len(tokens) == max_tokens or anchor.item() in eos:
+                proposal = drafter.propose(_block(anchor, B, mask), fed, draft_cache, params, walk)
+                drafts[B].append(proposal.tokens.tolist())  # read now: the drafter's cache moves on with the next
+            tokens.append(anchor.item())
+            if len(tokens) == max_tokens or tokens[-1] in eos:
                 break
             logits, context = tap.forward(anchor.reshape(1), cache)
             anchor = mx.argmax(logits[-1]).astype(mx.uint32)
-    return Trace([t.item() for t in tokens], {B: [d.tolist() for d in ds] for B, ds in drafts.items()})
+    return Trace(tokens, drafts)
 
 
 @dataclass
@@ -102,13 +106,12 @@ def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
             while B == 1:
                 produced = out.tokens
                 run = policy.plain_run(limit - produced)
-                drafts = trace.drafts[policy.block_max][produced - 1]  # the shadow probe's
-                scored = min(run, len(drafts))
+                scored = min(run, policy.block_max - 1)  # the shadow probe's drafts the run's tokens are matched with
                 out.probes, out.seconds = out.probes + 1, out.seconds + probe_s
                 for i in range(run):
                     out.tokens, out.plain_steps, out.seconds = out.tokens + 1, out.plain_steps + 1, out.seconds + step_s
                     if i == scored - 1:
-                        single = [float(d == t) for d, t in zip(drafts, trace.tokens[produced : produced + scored])]
+                        single = trace.matches(produced - 1, policy.block_max, scored)
                         policy.observe_shadow([float(all(single[: k + 1])) for k in range(scored)], single)
                     if out.tokens >= n:  # the loop's caller stops reading here
                         return out

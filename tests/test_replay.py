@@ -11,7 +11,6 @@ from conftest import make_oracle, make_target
 from test_adaptive import COSTS, decide_on
 from test_decode import prompts
 
-from dflash2_mlx import replay as replay_module
 from dflash2_mlx.adaptive import AdaptiveBlocks, FixedBlocks
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.replay import Trace, record, replay
@@ -112,8 +111,7 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     def recorded_again(*args, **kwargs):
         raise AssertionError("the kept traces should have been replayed")
 
-    monkeypatch.setattr(replay_module, "record", recorded_again)
-    monkeypatch.setattr("dflash2_apps.replay.record", recorded_again)
+    monkeypatch.setattr("dflash2_apps.replay.record", recorded_again)  # the name the command calls
     assert main(args) == 0
     assert json.loads(out.read_text())["replay"] == rows
     capsys.readouterr()
