@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -230,10 +231,14 @@ class AdaptiveBlocks:
     would have accepted, each shrunk toward the previous position's estimate (the first toward 1/2) by
     `shrink` observations' worth. `prior` (the drafter card's held-out acceptance by position) seeds the
     counts with `prior_weight` observations; without one they start empty (neutral). The same counts decayed
-    by `recent_decay` say what the last observation or two say: where they argue for leaving the current
-    mode (drafting or plain steps) they are taken instead, so a turn in the text (a passage copied from the
-    prompt begins or ends, a repetition loop) is followed within a cycle or two, while a steady text is
-    judged on the longer memory.
+    by `recent_decay` say what the last observation or two say, so that a turn in the text (a passage copied
+    from the prompt begins or ends, a repetition loop) is followed within a cycle or two while a steady text
+    is judged on the longer memory. The two errors are not alike: a plain run where drafting would pay loses
+    most of what drafting wins over it, a cycle that accepts little loses only its price over a plain step. So
+    while running plain steps the recent memory starts drafting wherever it says so; while drafting the long
+    memory decides, and is replaced by the recent one at a turn: cycles in a row that accepted less than the
+    long memory gave them a `turn_p` chance of (a drafter right half the time often misses twice in a row, one
+    right every time does not).
 
     Plain steps come in runs of `shadow_run` (default block_max), each started by a shadow probe (see
     `decode.dflash_steps`): one drafter pass proposing the next block, scored once the run has committed its
@@ -243,20 +248,25 @@ class AdaptiveBlocks:
     back to `shadow_run`. Where drafting does not pay, the probes are all it costs: a probe per 8 plain steps
     is 2-3% of the time on a CPU, one per 24 under 1%, while a stretch where it pays (a passage copied from the
     prompt) is still found within a run or two. Positions past a probe's first
-    rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a first plain run
-    of that many steps (default: one shadow run; 0: none) before any choice: it times plain steps on this
-    generation's clock, so that the cost curve's shape (cycles against plain steps) is corrected online even
-    where drafting wins from the start and no plain step would otherwise be timed."""
+    rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a plain run of
+    that many steps (default: one shadow run; 0: none) after `timing_after` cycles (default 2 x block_max)
+    where no plain step has been timed yet: it times plain steps on this generation's clock, so that the cost
+    curve's shape (cycles against plain steps) is corrected online even where drafting wins from the start
+    and no plain step would otherwise be timed. Taken after the cycles, not before them, it costs a short
+    answer nothing; most generations time plain runs of their own before it is due."""
 
     def __init__(self, costs: CostModel, block_max: int, prior: Sequence[float] | None = None,
-                 prior_weight: float = 3.0, decay: float = 0.7, recent_decay: float = 0.3, shrink: float = 1.0,
+                 prior_weight: float = 3.0, decay: float = 0.8, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
-                 shadow_max: int | None = None):
+                 shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
         self.past_rejection, self.shadow_run = past_rejection, shadow_run or block_max
         self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
+        self.timing_after = 2 * block_max if timing_after is None else timing_after
+        self.turn_p, self.shortfall, self.reference = turn_p, 1.0, None  # see observe_cycle
+        self.cycles = 0  # cycles since the last timed plain run (or the start)
         self.shadow_max = shadow_max or 3 * self.shadow_run
         self.run = self.shadow_run  # the next plain run's length
         n = block_max - 1
@@ -285,10 +295,11 @@ class AdaptiveBlocks:
         return estimates
 
     def decisive(self) -> list[float]:
-        """The estimates a choice is made on: per position the long memory's, or the recent one's where it
-        argues for leaving the current mode (lower while drafting, higher while running plain steps)."""
-        pick = min if self.drafting else max
-        return [pick(a, b) for a, b in zip(self.acceptance(), self.acceptance(recent=True))]
+        """The estimates a choice is made on: drafting, the long memory's (which a turn resets, see
+        `observe_cycle`); running plain steps, per position the higher of the two memories'."""
+        if self.drafting:
+            return self.acceptance()
+        return [max(a, b) for a, b in zip(self.acceptance(), self.acceptance(recent=True))]
 
     def expected_tokens(self, B: int, acceptance: Sequence[float] | None = None) -> float:
         """Committed tokens a cycle at B is expected to give: the bonus plus each accepted draft (by
@@ -324,7 +335,7 @@ class AdaptiveBlocks:
 
     def next_block(self, left: int | None) -> int:
         top = self._top(left)
-        if self.timing_steps or top == 1:
+        if top == 1 or self.timing_steps and self.cycles >= self.timing_after:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
@@ -354,15 +365,26 @@ class AdaptiveBlocks:
 
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""
-        run, self.timing_steps = self.timing_steps or self.run, 0
-        self.after_plain = True
+        timing = self.timing_steps and self.cycles >= self.timing_after
+        run = self.timing_steps if timing else self.run
+        self.after_plain, self.shortfall, self.reference = True, 1.0, None
         return run if left is None else max(1, min(run, left))
 
     def observe_cycle(self, B: int, accepted: int, seconds: float) -> None:
         """Its acceptance always counts; its time only for a steady cycle (see `after_plain`): a cycle's
         one-off costs would otherwise make every block look dearer than it is, and keep the drafter off."""
-        for i in range(min(accepted + 1, B - 1)):  # positions reached: the accepted ones and the first rejection
+        reached = min(accepted + 1, B - 1)  # positions reached: the accepted ones and the first rejection
+        # the chance of accepting no more than this cycle did, on the long memory as it stood before the first
+        # of the cycles in a row that fell short (below the median): those cycles' joint chance is `shortfall`
+        reference = self.reference or self.acceptance()
+        at_most = 1.0 - math.prod(reference[:reached]) if accepted < B - 1 else 1.0
+        self.shortfall, self.reference = (self.shortfall * at_most, reference) if at_most < 0.5 else (1.0, None)
+        for i in range(reached):
             self._count(i, 1.0, float(i < accepted))
+        if self.shortfall < self.turn_p:  # a turn: the older evidence describes another text
+            self.hits, self.seen = list(self.recent_hits), list(self.recent_seen)
+            self.shortfall, self.reference = 1.0, None
+        self.cycles += 1
         if not self.after_plain and B in self.traced:
             self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.drafted_block(B)))
         self.after_plain = False
@@ -389,6 +411,7 @@ class AdaptiveBlocks:
         """`seconds` of `steps` plain steps and `probes` shadow probes (a drafter pass each) among them."""
         expected = steps * self.costs.passes_s(1) + probes * self.probe_s
         self.scale_plain = self._mix(self.scale_plain, seconds / expected)
+        self.timing_steps = 0  # plain steps timed: no timing run needed
 
     def stale(self) -> bool:
         """Whether this generation's timings say the measured costs are off by more than STALE_RATIO: plain

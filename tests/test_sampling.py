@@ -93,7 +93,7 @@ def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
 def adaptive_blocks():
     """Adaptive mode that mixes both paths inside 3 tokens: a plain step after a shadow probe, then its own choice
     (costs that make drafting look cheap, so it keeps drafting while drafts are accepted)."""
-    return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, timing_steps=1)
+    return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, timing_steps=1, timing_after=0)
 
 
 def full_blocks():
