@@ -266,7 +266,7 @@ class AdaptiveBlocks:
         self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
         self.timing_after = 2 * block_max if timing_after is None else timing_after
         self.turn_p, self.shortfall, self.reference = turn_p, 1.0, None  # see observe_cycle
-        self.cycles = 0  # cycles since the last timed plain run (or the start)
+        self.cycles = 0  # cycles so far (the timing run is due after timing_after of them)
         self.shadow_max = shadow_max or 3 * self.shadow_run
         self.run = self.shadow_run  # the next plain run's length
         n = block_max - 1
@@ -335,13 +335,17 @@ class AdaptiveBlocks:
 
     def next_block(self, left: int | None) -> int:
         top = self._top(left)
-        if top == 1 or self.timing_steps and self.cycles >= self.timing_after:
+        if top == 1 or self._timing_due():
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
         self.run = min(2 * self.run, self.shadow_max) if B == 1 and not self.drafting else self.shadow_run
         self.drafting = B > 1
         return B
+
+    def _timing_due(self) -> bool:
+        """Whether the next plain run is the timing run: no plain step timed yet, after `timing_after` cycles."""
+        return bool(self.timing_steps) and self.cycles >= self.timing_after
 
     @property
     def probe_s(self) -> float:
@@ -365,8 +369,7 @@ class AdaptiveBlocks:
 
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""
-        timing = self.timing_steps and self.cycles >= self.timing_after
-        run = self.timing_steps if timing else self.run
+        run = self.timing_steps if self._timing_due() else self.run
         self.after_plain, self.shortfall, self.reference = True, 1.0, None
         return run if left is None else max(1, min(run, left))
 
