@@ -397,7 +397,9 @@ def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     alone = subprocess.run([*CLI, *flags], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert alone.returncode == 0, alone.stderr
     alone = json.loads(alone.stdout)
-    launcher = shutil.which("mlx.launch")
+    # mlx installs it beside the interpreter running the tests (a venv's bin, which need not be on the PATH)
+    launcher = shutil.which("mlx.launch", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                                 os.environ.get("PATH", "")]))
     assert launcher, "mlx.launch (installed with mlx) is not on the PATH"
     command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(1)[0]), "--",
                *CLI, *flags, "--pipeline", "--backend", "ring"]
