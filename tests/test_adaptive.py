@@ -138,25 +138,23 @@ def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
         assert B > 1
         half.observe_cycle(B, min(a, B - 1), COSTS.passes_s(B))
     assert half.next_block(None) > 1
-    always = AdaptiveBlocks(COSTS, 8, timing_steps=0)
-    for _ in range(6):
-        B = always.next_block(None)
-        always.observe_cycle(B, B - 1, COSTS.passes_s(B))
-    misses = 0
-    while always.next_block(None) > 1:
-        always.observe_cycle(8, 0, COSTS.passes_s(8))
-        misses += 1
+    misses = misses_after_a_perfect_record()
     assert 2 <= misses <= 3
     # control: without the turn (a chance no run of misses falls under) the long memory takes longer
-    slow = AdaptiveBlocks(COSTS, 8, timing_steps=0, turn_p=0.0)
+    assert misses_after_a_perfect_record(turn_p=0.0) > misses + 1
+
+
+def misses_after_a_perfect_record(**kw) -> int:
+    """Cycles accepting nothing that a policy drafts, after six that accepted every draft, before plain steps."""
+    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0, **kw)
     for _ in range(6):
-        B = slow.next_block(None)
-        slow.observe_cycle(B, B - 1, COSTS.passes_s(B))
-    slow_misses = 0
-    while slow.next_block(None) > 1:
-        slow.observe_cycle(8, 0, COSTS.passes_s(8))
-        slow_misses += 1
-    assert slow_misses > misses + 1
+        B = policy.next_block(None)
+        policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
+    misses = 0
+    while (B := policy.next_block(None)) > 1:
+        policy.observe_cycle(B, 0, COSTS.passes_s(B))
+        misses += 1
+    return misses
 
 
 def test_evidence_of_an_accepting_drafter_reaches_the_largest_block_within_three_cycles():
