@@ -312,8 +312,14 @@ def prompt_tps(trials: list[list[Run]], p: int) -> float:
 
 def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
     """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
-    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well."""
+    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well.
+
+    How much of a difference is the machine's: `vs_plain_trials` and `vs_best_trials` are the lowest and highest
+    of the same ratios trial by trial (each of a trial's runs seconds apart, see the module's docstring), and
+    `same_work_vs_plain` is mlx-lm's tokens per second over plain decoding's, when both ran: the same forwards
+    through two loops, so its distance from 1.00x is what noise alone moves a ratio on this run."""
     plain = next((m for m in methods if m.kind == "plain"), None)
+    same = next((m for m in methods if m.kind == "mlx-lm"), None)
     rows = []
     for m in methods:
         if m.kind != "adaptive" or plain is None:
@@ -325,15 +331,31 @@ def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict
             plain_tps, adaptive_tps = prompt_tps(runs[plain.name], p), prompt_tps(runs[m.name], p)
             adaptive_runs = [r[p] for r in runs[m.name]]
             tokens = sum(len(r.tokens) for r in adaptive_runs)
+            rivals = [plain.name] + ([best] if best else [])
             rows.append({
                 "temperature": temp, "prompt": p + 1, "drafter": m.drafter_label, "plain_tps": plain_tps,
                 "adaptive_tps": adaptive_tps, "best_fixed": best, "best_fixed_tps": tps[best] if best else None,
                 "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
                 "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
+                "vs_plain_trials": trial_range(runs, m.name, [plain.name], p),
+                "vs_best_trials": trial_range(runs, m.name, rivals, p),
+                "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
                 "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
                 "fixed_tps": tps,
             })
     return rows
+
+
+def trial_range(runs: dict, name: str, rivals: list[str], p: int) -> list[float] | None:
+    """[lowest, highest] over trials of method `name`'s tokens per second on prompt p over the fastest of
+    `rivals`' in the same trial (None if a trial lacks a run)."""
+    ratios = []
+    for t, mine in enumerate(runs[name]):
+        theirs = [runs[r][t][p] for r in rivals]
+        if mine[p] is None or any(r is None or r.generation_tps <= 0 for r in theirs):
+            return None
+        ratios.append(mine[p].generation_tps / max(r.generation_tps for r in theirs))
+    return [min(ratios), max(ratios)] if ratios else None
 
 
 def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict],

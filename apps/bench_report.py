@@ -112,19 +112,25 @@ def render(report: dict, console=None) -> str:
 
 
 def render_per_prompt(rows: list[dict], console) -> list[str]:
-    """The per-prompt table (adaptive vs plain vs the best fixed block), its markdown lines."""
+    """The per-prompt table (adaptive vs plain vs the best fixed block), its markdown lines. Each ratio carries
+    its range over trials, and where mlx-lm ran, its ratio to plain decoding (the same work) says how far noise
+    alone moves a ratio on this run."""
     if not rows:
         return []
+    same = any(r.get("same_work_vs_plain") for r in rows)
     columns = ["T", "prompt", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s", "plain %",
-               "vs plain", "vs best"]
+               "vs plain", "vs best"] + (["mlx-lm vs plain"] if same else [])
     table = Table(*columns, title="adaptive mode per prompt (tok/s over all trials)")
     md = ["", "adaptive mode per prompt (tok/s over all trials; vs best = against the faster of plain and the "
-          "best fixed block on that prompt):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+          "best fixed block on that prompt; in brackets the lowest and highest of the ratio trial by trial"
+          + ("; mlx-lm vs plain: the same forwards through two loops, i.e. how far noise alone moves a ratio"
+             if same else "") + "):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         row = [f"{r['temperature']:g}", str(r["prompt"]), r["drafter"], f"{r['plain_tps']:.1f}",
                r["best_fixed"] or "-", f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-",
                f"{r['adaptive_tps']:.1f}", f"{r['plain_share']:.0%}",
-               f"{r['vs_plain']:.2f}x" if r["vs_plain"] else "-", f"{r['vs_best']:.2f}x" if r["vs_best"] else "-"]
+               _ratio(r["vs_plain"], r.get("vs_plain_trials")), _ratio(r["vs_best"], r.get("vs_best_trials"))]
+        row += [_ratio(r.get("same_work_vs_plain"), None)] if same else []
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")
     console.print(table)
@@ -133,9 +139,20 @@ def render_per_prompt(rows: list[dict], console) -> list[str]:
         line = (f"adaptive vs the best of plain and fixed blocks per prompt: worst {worst:.2f}x, median "
                 f"{statistics.median(r['vs_best'] for r in rows if r['vs_best']):.2f}x; vs plain: worst "
                 f"{min(r['vs_plain'] for r in rows if r['vs_plain']):.2f}x")
+        noise = [r["same_work_vs_plain"] for r in rows if r.get("same_work_vs_plain")]
+        if noise:
+            line += (f"; mlx-lm vs plain (the same work) per prompt {min(noise):.2f}-{max(noise):.2f}x: "
+                     "differences inside that band are this run's noise")
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
     return md
+
+
+def _ratio(value: float | None, trials: list[float] | None) -> str:
+    """'0.96x', with the range over trials when known: '0.96x (0.90-1.02)'."""
+    if not value:
+        return "-"
+    return f"{value:.2f}x" + (f" ({trials[0]:.2f}-{trials[1]:.2f})" if trials else "")
 
 
 def report_json(report: dict) -> str:

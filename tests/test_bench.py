@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -149,6 +150,40 @@ def test_per_prompt_rows_compare_adaptive_with_the_faster_of_plain_and_each_fixe
     assert rows[0]["fixed_tps"]["d B=5"] == pytest.approx(b5_tps)  # 11.67 < 11.92: B=5 is not the best
     assert rows[0]["vs_best"] == pytest.approx(12 / b3_tps) and rows[0]["vs_plain"] == pytest.approx(1.2)
     assert rows[1]["vs_best"] == pytest.approx(0.9) and rows[1]["plain_share"] == 0.5  # plain beats every block
+
+
+def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work_ratio_as_a_noise_band():
+    plain, same, adaptive, b3 = (Method("plain", "plain"), Method("mlx-lm", "mlx-lm"),
+                                 Method("d adaptive", "adaptive", drafter_label="d"),
+                                 Method("d B=3", "dflash", block_size=3, drafter_label="d"))
+
+    def runs(*tps):  # trial 1 p1, p2, trial 2 p1, p2; 100 tokens each
+        r = [Run([0] * 100, t, 1.0, 0.1, 1.0) for t in tps]
+        return [r[:2], r[2:]]
+
+    table = {"plain": runs(10, 10, 8, 10), "mlx-lm": runs(9, 10, 8, 11), "d adaptive": runs(12, 9, 10, 9),
+             "d B=3": runs(11, 8, 13, 8)}
+    rows = per_prompt_rows([same, plain, adaptive, b3], table, 0.0)
+    # prompt 1, trial by trial: adaptive 12 vs plain 10 and B=3 11; then 10 vs 8 and 13
+    assert rows[0]["vs_plain_trials"] == pytest.approx([12 / 10, 10 / 8])
+    assert rows[0]["vs_best_trials"] == pytest.approx([10 / 13, 12 / 11])
+    # mlx-lm over plain on prompt 1: 200 tokens in 100/9 + 100/8 s against 100/10 + 100/8 s
+    assert rows[0]["same_work_vs_plain"] == pytest.approx((1 / 10 + 1 / 8) / (1 / 9 + 1 / 8))
+    assert rows[1]["vs_plain_trials"] == pytest.approx([0.9, 0.9])
+    assert rows[1]["same_work_vs_plain"] == pytest.approx((1 / 10 + 1 / 10) / (1 / 10 + 1 / 11))
+
+    from rich.console import Console
+
+    from dflash2_apps.bench_report import render_per_prompt
+    md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200)))
+    assert "| 0 | 1 | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
+    assert "mlx-lm vs plain (the same work) per prompt 0.95-1.05x" in md
+
+    table["plain"][1][0] = None  # a trial without a plain run has no range
+    assert per_prompt_rows([same, plain, adaptive, b3], table, 0.0)[0]["vs_plain_trials"] is None
+    without = per_prompt_rows([plain, adaptive, b3], table, 0.0)  # no mlx-lm: no noise band
+    assert without[0]["same_work_vs_plain"] is None
+    assert "mlx-lm vs plain" not in "\n".join(render_per_prompt(without, Console(file=io.StringIO(), width=200)))
 
 
 def test_prompt_suites(tmp_path):
