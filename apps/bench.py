@@ -28,7 +28,7 @@ from mlx_lm.sample_utils import make_sampler
 from rich.progress import Progress
 
 from dflash2_apps.bench_report import render, report_console, report_json
-from dflash2_apps.common import KERNELS_HELP
+from dflash2_apps.common import KERNELS_HELP, command_line, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
 from dflash2_apps.replay import replay_report
@@ -537,6 +537,7 @@ def run(args) -> int:
         "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
         "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
         "runtime": runtime_info(args.kernels), "engines": engines, "peer_python": peer_python if engines else None,
+        "command": command_line(args),
     }
     console = report_console()
     markdown = render(report, console)
@@ -545,6 +546,5 @@ def run(args) -> int:
         markdown += render_comparison(report["compare"], report["results"], console)
     if args.json:
         Path(args.json).write_text(report_json(report))
-    if args.markdown:
-        Path(args.markdown).write_text(markdown)
+    write_markdown(args, markdown)
     return 1 if report["errors"] else 0

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_with_openblas(["-m", "dflash2_apps.cli", *sys.argv[1:]])
         argv = sys.argv[1:]
     args = make_parser(command_in(argv)).parse_args(argv)
+    args.argv = list(argv)  # the words after `dflash2`: reports say how they were made
     # the library's notices (logging, never print): a download, a measurement, a dtype it had to change
     logging.basicConfig(level=logging.INFO, format="[dflash2] %(message)s")
     try:

@@ -1,10 +1,12 @@
-"""What several commands share: the target and drafter flags (and loading them), the sampling flags, and the
-one-line summary of a generation."""
+"""What several commands share: the target and drafter flags (and loading them), the sampling flags, the
+one-line summary of a generation, and the command line a report says it was made by."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from inspect import signature
+from pathlib import Path
 
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -261,3 +263,18 @@ def summary(r) -> str:
         parts.append(f"{r.draft_failures} cycles fell back to plain decoding (non-finite draft logits)")
     parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]
     return " | ".join(parts)
+
+
+def command_line(args) -> str | None:
+    """The command that made `args` (`dflash2 ...`, shell-quoted), None when not run from the command line."""
+    words = getattr(args, "argv", None)
+    return None if words is None else shlex.join(["dflash2", *words])
+
+
+def write_markdown(args, text: str) -> None:
+    """Write a report's markdown to `--markdown` (when given), opening with the command that made it, so a
+    reader can make it again."""
+    if not args.markdown:
+        return
+    command = command_line(args)
+    Path(args.markdown).write_text((f"Made by `{command}`.\n\n" if command else "") + text)

@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from dflash2_apps.common import write_markdown
 from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.generate import block_policy, resolve_block_size
 from dflash2_mlx.loading import bind_drafter
@@ -89,8 +90,7 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         Path(args.replay_traces).write_text(json.dumps(known))
     text = "\n".join(lines)
     print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    write_markdown(args, text)
     if args.json:
         Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked}, indent=1))
     return 0

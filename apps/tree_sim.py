@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from dflash2_apps.common import write_markdown
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.data import read_shards
 from dflash2_mlx.train.tree_eval import simulate_tree_acceptance
@@ -27,6 +26,5 @@ def tree_sim(args, model, drafters) -> int:
                          f"{sum(sim['linear']) / sim['blocks'] + 1:.2f} | " + " | ".join(f"{t:.2f}" for t in taus) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    write_markdown(args, text)
     return 0

@@ -51,6 +51,9 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     assert ctx["runtime"]["backend"] in ("cpu", "metal") and ctx["dtype"] == "float32" and ctx["trials"] == 1
     md = (tmp_path / "b.md").read_text()
     assert "| method | T | tok/s" in md and "accepted by position" in md
+    # the report opens with the command that made it (shell-quoted), the JSON keeps it too
+    assert md.startswith(f"Made by `dflash2 bench --model {target} --draft-model {drafter} ")
+    assert ctx["command"] == md.split("`")[1] and "--markdown " + str(tmp_path / "b.md") in ctx["command"]
     # what the target said, so a reader can see it is not babble (every method agreeing proves nothing then)
     assert report["sample_output"]["temperature"] == 0 and report["sample_output"]["text"]
     assert "mlx-lm output of prompt 1 (T=0): " in md

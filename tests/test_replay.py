@@ -106,6 +106,7 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     assert all(1 < r["tokens"] <= 24 and 0 < r["adaptive"] and r["cycles"] + r["probes"] > 0 for r in rows)
     table = (tmp_path / "replay.md").read_text()
     assert "| drafter | prompt | tokens | B=3 | B=5 | adaptive | plain % | cycles | vs best |" in table
+    assert table.startswith(f"Made by `dflash2 bench --model {target} ") and " --replay " in table.split("\n")[0]
     assert len(json.loads(traces.read_text())) == 2  # a trace per prompt, kept
 
     def recorded_again(*args, **kwargs):

@@ -414,6 +414,7 @@ def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--tree-sim", str(tmp_path),
                  "--tree-budgets", "1,4", "--markdown", str(tmp_path / "sim.md")]) == 0
     table = (tmp_path / "sim.md").read_text()
+    assert table.startswith(f"Made by `dflash2 bench --model {target} ") and "--tree-sim" in table.split("\n")[0]
     assert "teacher-forced tau on 1 held-out samples" in table and "| tree 1 | tree 4 |" in table
     assert "| drafter | 8 | 23 | " in table  # 30 response tokens, anchors with 7 after them
 
