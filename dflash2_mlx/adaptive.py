@@ -105,7 +105,7 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
     all). A forward over more tokens never costs less than one over fewer: timing noise that says otherwise is
     flattened out."""
     verify_max = max(block_max, verify_max or block_max)
-    vocab, mask = target.vocab_size, drafter.config.mask_token_id
+    vocab = target.vocab_size
     tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + verify_max)], mx.uint32)
     cache, plain_cache = target.make_cache(), target.make_cache()
     with target.capture() as tap:
@@ -124,8 +124,8 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
             tap.rollback(cache, verified, 0)
 
         def draft(B):
-            block = mx.concatenate([tokens[context_tokens : context_tokens + 1], mx.full((B - 1,), mask, mx.uint32)])
-            mx.eval(drafter.propose(block[None], context[None], drafter.make_cache(), SamplingParams()).tokens)
+            block = drafter.input_block(tokens[context_tokens], B)
+            mx.eval(drafter.propose(block, context[None], drafter.make_cache(), SamplingParams()).tokens)
 
         points = verify_points(block_max, verify_max)
         draft_sizes = sorted({2, block_max})  # the drafter's pass grows little with B: timed at the ends only

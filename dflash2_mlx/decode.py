@@ -88,7 +88,6 @@ def dflash_steps(
     `prompt_cache`: start from the prefix it shares with `prompt`, and leave this generation's caches in it."""
     state = prompt_cache if prompt_cache is not None else PromptCache()
     procs = processing(logits_processors, prompt)
-    mask_id = drafter.config.mask_token_id
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
@@ -110,7 +109,7 @@ def dflash_steps(
                 timed_from, timed = None, 0
                 while B == 1:
                     run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-                    shadow = drafter.propose(_block(anchor, blocks.block_max, mask_id),
+                    shadow = drafter.propose(drafter.input_block(anchor, blocks.block_max),
                                              mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
                     mx.async_eval([a for a in shadow if a is not None])
                     del pending[:-1]
@@ -148,7 +147,7 @@ def dflash_steps(
                 B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
                 tic = time.perf_counter()
             # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept.
-            proposal = drafter.propose(_block(anchor, blocks.drafted_block(B), mask_id), context[None], draft_cache,
+            proposal = drafter.propose(drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache,
                                        params, walk).first(B - 1)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
@@ -189,7 +188,6 @@ def tree_steps(
     check_target(target)
     state = prompt_cache if prompt_cache is not None else PromptCache()
     procs = processing(logits_processors, prompt)
-    mask_id = drafter.config.mask_token_id
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         check_cache(cache)
@@ -203,7 +201,7 @@ def tree_steps(
             clear_at = _free_buffers(produced, clear_at)
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
             # Draft: one drafter pass over [anchor, mask * (B-1)], its rows read as a lattice, then a tree.
-            block = mx.array([[anchor] + [mask_id] * (B - 1)])
+            block = drafter.input_block(anchor, B)
             hidden, draft_logits = drafter.draft_rows(block, context[None], draft_cache)
             lattice = drafter.tree_lattice(hidden, draft_logits, block[0, 0], V1_TOP_K)
             finite = mx.all(mx.isfinite(draft_logits))
@@ -232,11 +230,6 @@ def _free_buffers(produced: int, clear_at: int) -> int:
         return clear_at
     mx.clear_cache()
     return produced + CLEAR_EVERY
-
-
-def _block(anchor: mx.array, B: int, mask_id: int) -> mx.array:
-    """A drafter's input block [1, B]: the anchor, then B-1 mask tokens."""
-    return mx.concatenate([anchor.reshape(1), mx.full((B - 1,), mask_id, anchor.dtype)])[None]
 
 
 def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None,

@@ -328,6 +328,11 @@ class DFlashDraftModel(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
+    def input_block(self, anchor: mx.array | int, B: int) -> mx.array:
+        """The block a pass drafts from [1, B]: the anchor (the last committed token), then B-1 mask tokens."""
+        anchor = mx.array(anchor) if isinstance(anchor, int) else anchor
+        return mx.concatenate([anchor.reshape(1), mx.full((B - 1,), self.config.mask_token_id, anchor.dtype)])[None]
+
     def draft_rows(self, block: mx.array, context: mx.array, cache: list[KVCache]) -> tuple[mx.array, mx.array]:
         """(normed hidden [B-1, D], logits [B-1, V]) of the draft rows 1..B-1 of `block` [1, B]; with a draft
         vocabulary, logits [B-1, n] over its n tokens (`draft_ids` maps their indices to token ids)."""

@@ -18,7 +18,6 @@ from typing import Iterable
 import mlx.core as mx
 
 from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks
-from .decode import _block
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams
 from .target import Target
@@ -54,7 +53,7 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
     sizes, eos = sorted(set(blocks)), set(eos)
     if min(sizes) < 2:
         raise ValueError(f"block sizes start at 2 (an anchor and a draft), got {min(sizes)}")
-    params, mask = SamplingParams(), drafter.config.mask_token_id
+    params = SamplingParams()
     tokens, drafts = [], {B: [] for B in sizes}
     with target.capture() as tap:
         cache, draft_cache = target.make_cache(), drafter.make_cache()
@@ -63,7 +62,7 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
         while True:
             for i, B in enumerate(sizes):  # the first pass takes the new context in; the drafter keeps it
                 fed = context[None] if i == 0 else context[None, :0]
-                proposal = drafter.propose(_block(anchor, B, mask), fed, draft_cache, params, walk)
+                proposal = drafter.propose(drafter.input_block(anchor, B), fed, draft_cache, params, walk)
                 drafts[B].append(proposal.tokens.tolist())  # read now: the drafter's cache moves on with the next
             tokens.append(anchor.item())
             if len(tokens) == max_tokens or tokens[-1] in eos:
