@@ -66,8 +66,9 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         plain = 1 / costs.verify_s[0]
         keys = trace_keys(target, drafter, prompts, args.max_tokens, sizes, walk)
         for i, (prompt, key) in enumerate(zip(prompts, keys), 1):
-            if key in known:
-                trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()})
+            if known.get(key, {}).get("confidence"):  # kept without confidences (an older trace): recorded again
+                trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()},
+                              {int(B): c for B, c in known[key]["confidence"].items()})
             else:
                 trace = record(target, drafter, prompt, args.max_tokens, sizes, eos, walk)
                 known[key] = asdict(trace)

@@ -213,6 +213,10 @@ class FixedBlocks:
         """The block the drafter proposes for a cycle verifying B: B itself (oMLX's runtime block size)."""
         return B
 
+    def verified_block(self, B: int, confidence: mx.array | None, left: int | None) -> int:
+        """The block a cycle verifies once its drafts are drawn: B, always."""
+        return B
+
     def plain_run(self, left: int | None) -> int:
         raise AssertionError("fixed blocks never choose plain steps")
 
@@ -258,7 +262,8 @@ class AdaptiveBlocks:
     def __init__(self, costs: CostModel, block_max: int, prior: Sequence[float] | None = None,
                  prior_weight: float = 3.0, decay: float = 0.8, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
-                 shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None):
+                 shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None,
+                 calibration_decay: float = 0.95):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
@@ -282,6 +287,11 @@ class AdaptiveBlocks:
         # A cycle right after plain steps (or the prefill) also feeds the drafter all their rows at once, and
         # the first cycle at a block size traces it: one-off costs the cycles after it do not pay.
         self.after_plain, self.traced = True, set()
+        # per draft position, decayed by `calibration_decay` over verified drafts (a drafter's calibration
+        # changes less with the text than its acceptance does): accepted, and the confidence they were
+        # verified on, two observations of a calibrated drafter to start; the last cycle's confidences
+        self.calibration_decay, self.confidence = calibration_decay, None
+        self.confident_hits, self.confident_sum = [2.0] * n, [2.0] * n
 
     def acceptance(self, recent: bool = False) -> list[float]:
         """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1 (`recent`: from the
@@ -361,6 +371,34 @@ class AdaptiveBlocks:
         costs a little more, which `seconds` counts."""
         return self.block_max
 
+    def verified_block(self, B: int, confidence: mx.array | None, left: int | None) -> int:
+        """The block a drafting cycle verifies, chosen once its drafts are drawn (B: the block `next_block`
+        chose): the one, up to the largest `left` allows, whose expected committed tokens exceed most what
+        plain steps would commit in the same time, each draft expected accepted with its row's confidence
+        (`Proposal.confidence`, read here: the cycle's second host read) as calibrated by the cycles so far.
+        The estimates say whether to draft; the drafter's own confidence says how far this block is worth
+        verifying, which varies from cycle to cycle far more than any average does (the bundled drafter's
+        first drafts on six answers: accepted 8% of the time where its row's top probability is under 0.2,
+        92% where it is over 0.8). At least one draft is verified, so the first position's estimate stays
+        unbiased by the choice. Choosing on the rows' distributions, never on what was drawn from them, keeps
+        the acceptance rule exact at any temperature."""
+        if confidence is None:
+            return B
+        top = max(2, self._top(left))
+        rows = confidence[: top - 1].tolist()
+        if not all(math.isfinite(c) for c in rows):  # non-finite drafts accept nothing: verify the fewest
+            return 2
+        self.confidence = rows
+        plain_rate = 1.0 / self.seconds(1)
+        best, best_gain, expected, reach = B, -math.inf, 1.0, 1.0
+        for n, c in enumerate(rows, start=1):
+            reach *= min(1.0, c * self.confident_hits[n - 1] / self.confident_sum[n - 1])
+            expected += reach
+            gain = expected - plain_rate * self.seconds(n + 1)
+            if gain > best_gain:
+                best, best_gain = n + 1, gain
+        return best
+
     def drafting_wins(self, left: int | None) -> bool:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
         says so (its score is read once the probe's drafts are matched) ends there."""
@@ -384,6 +422,11 @@ class AdaptiveBlocks:
         self.shortfall, self.reference = (self.shortfall * at_most, reference) if at_most < 0.5 else (1.0, None)
         for i in range(reached):
             self._count(i, 1.0, float(i < accepted))
+        if self.confidence is not None:  # the calibration of the confidences this cycle was verified on
+            for i in range(reached):
+                self.confident_hits[i] = self.calibration_decay * self.confident_hits[i] + float(i < accepted)
+                self.confident_sum[i] = self.calibration_decay * self.confident_sum[i] + self.confidence[i]
+            self.confidence = None
         if self.shortfall < self.turn_p:  # a turn: the older evidence describes another text
             self.hits, self.seen = list(self.recent_hits), list(self.recent_seen)
             self.shortfall, self.reference = 1.0, None

@@ -146,16 +146,19 @@ def dflash_steps(
                 context, produced = mx.concatenate(pending), produced + 1
                 B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
                 tic = time.perf_counter()
-            # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept.
+            # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept:
+            # adaptive mode picks B again from the rows' confidences (a host read), fixed blocks keep it.
             proposal = drafter.propose(drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache,
-                                       params, walk).first(B - 1)
+                                       params, walk)
+            B = blocks.verified_block(B, proposal.confidence, None if max_tokens is None else max_tokens - produced + 1)
+            proposal = proposal.first(B - 1)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
             # Processors see each row's drafts before it, as plain decoding would have after accepting them.
             rows = verified.logits if procs is None else procs.rows(verified.logits, proposal.tokens)
             # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
             accepted, bonus = accept(proposal, rows, params, "accept_greedy" in drafter.metal_kernels)
-            # The only device -> host transfer of the cycle.
+            # The cycle's device -> host transfer (adaptive mode's confidences aside).
             head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
             result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()
             a, bonus_id = result[0], result[1]

@@ -361,10 +361,12 @@ class DFlashDraftModel(nn.Module):
         self, block: mx.array, context: mx.array, cache: list[KVCache], params: SamplingParams,
         walk: str = "greedy",
     ) -> Proposal:
-        """Draft tokens for rows 1..B-1 of `block` [1, B] (see `hidden` for the other arguments)."""
+        """Draft tokens for rows 1..B-1 of `block` [1, B] (see `hidden` for the other arguments), with each
+        row's confidence (`Proposal.confidence`)."""
         self.check_walk(walk)
         hidden, logits = self.draft_rows(block, context, cache)
-        return self.choose(hidden, logits, block[0, 0], params, walk)
+        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).astype(mx.float32)
+        return self.choose(hidden, logits, block[0, 0], params, walk)._replace(confidence=confidence)
 
     def choose(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"

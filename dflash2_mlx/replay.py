@@ -26,10 +26,13 @@ from .target import Target
 @dataclass
 class Trace:
     """A greedy answer and the drafter's proposals along it: `drafts[B][j]` are the B - 1 tokens the drafter
-    proposes after `tokens[j]` (its anchor) from a block of B, given everything up to it."""
+    proposes after `tokens[j]` (its anchor) from a block of B, given everything up to it, and `confidence[B][j]`
+    its rows' confidences (`Proposal.confidence`; None in traces recorded without them: adaptive mode then
+    verifies the blocks it chose)."""
 
     tokens: list[int]
     drafts: dict[int, list[list[int]]]
+    confidence: dict[int, list[list[float]]] | None = None
 
     def matches(self, j: int, drafted: int, n: int) -> list[float]:
         """Whether each of the first n drafts after tokens[j] from a block of `drafted` is the answer's token (1.0)
@@ -37,6 +40,12 @@ class Trace:
         ends) reads the smallest recorded block above it."""
         drafts = self.drafts[min(b for b in self.drafts if b >= drafted)][j][:n]
         return [float(d == t) for d, t in zip(drafts, self.tokens[j + 1 :])]
+
+    def confidences(self, j: int, drafted: int) -> mx.array | None:
+        """The confidences of the block of `drafted` proposed after tokens[j] (None if not recorded)."""
+        if self.confidence is None:
+            return None
+        return mx.array(self.confidence[min(b for b in self.confidence if b >= drafted)][j])
 
     def accepted(self, j: int, B: int, drafted: int) -> int:
         """Drafts a cycle anchored at tokens[j] accepts when it verifies the first B - 1 of a block of `drafted`:
@@ -54,7 +63,7 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
     if min(sizes) < 2:
         raise ValueError(f"block sizes start at 2 (an anchor and a draft), got {min(sizes)}")
     params = SamplingParams()
-    tokens, drafts = [], {B: [] for B in sizes}
+    tokens, drafts, confidence = [], {B: [] for B in sizes}, {B: [] for B in sizes}
     with target.capture() as tap:
         cache, draft_cache = target.make_cache(), drafter.make_cache()
         logits, context = tap.prefill(mx.array(list(prompt), mx.uint32), cache)
@@ -64,12 +73,13 @@ def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max
                 fed = context[None] if i == 0 else context[None, :0]
                 proposal = drafter.propose(drafter.input_block(anchor, B), fed, draft_cache, params, walk)
                 drafts[B].append(proposal.tokens.tolist())  # read now: the drafter's cache moves on with the next
+                confidence[B].append(proposal.confidence.tolist())
             tokens.append(anchor.item())
             if len(tokens) == max_tokens or tokens[-1] in eos:
                 break
             logits, context = tap.forward(anchor.reshape(1), cache)
             anchor = mx.argmax(logits[-1]).astype(mx.uint32)
-    return Trace(tokens, drafts)
+    return Trace(tokens, drafts, confidence)
 
 
 @dataclass
@@ -127,6 +137,7 @@ def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
                 return out
             B = max(2, min(B, limit - out.tokens + 1))
         drafted = policy.drafted_block(B)
+        B = policy.verified_block(B, trace.confidences(out.tokens - 1, drafted), limit - out.tokens + 1)
         a = trace.accepted(out.tokens - 1, B, drafted)
         seconds = costs.passes_s(B, drafted)
         policy.observe_cycle(B, a, seconds)

@@ -183,6 +183,10 @@ class Proposal(NamedTuple):
     candidates: mx.array | None  # [n, k] token ids of each row's draft distribution (T > 0 only)
     probs: mx.array | None  # [n, k] their probabilities (T > 0 only)
     finite: mx.array  # scalar bool: False when the draft logits hold NaN or inf
+    # [n] each row's largest probability (the softmax of its draft logits, untempered): how sure the drafter
+    # is of that row whatever was drawn from it, so a choice made on it (how many drafts to verify) keeps the
+    # acceptance rule exact; set by `propose`, lazy (computed only if read)
+    confidence: mx.array | None = None
 
     def first(self, n: int) -> "Proposal":
         """Its first n drafts, a proposal of their own: every row is drawn from its distribution given the
@@ -191,7 +195,7 @@ class Proposal(NamedTuple):
         if n >= self.tokens.shape[0]:
             return self
         cut = (lambda a: None if a is None else a[:n])
-        return Proposal(self.tokens[:n], cut(self.candidates), cut(self.probs), self.finite)
+        return Proposal(self.tokens[:n], cut(self.candidates), cut(self.probs), self.finite, cut(self.confidence))
 
 
 def accept(

@@ -17,7 +17,7 @@ from test_decode import prompts, run
 
 import dflash2_mlx.adaptive as adaptive
 from dflash2_mlx import decode, generate
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, load_or_measure_costs
+from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks, load_or_measure_costs
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, draft_acceptance
@@ -44,6 +44,29 @@ def test_expected_tokens_match_brute_force():
     policy.hits, policy.seen = [0.9, 1.2, 0.3, 2.0, 0.1, 0.5, 0.7], [1.0, 2.0, 0.6, 2.5, 1.0, 0.5, 1.4]
     for B in range(1, 9):
         assert policy.expected_tokens(B) == pytest.approx(brute_force_expected(policy.acceptance(), B))
+
+
+def test_each_cycle_verifies_the_drafts_its_confidences_pay_for_and_learns_how_far_to_trust_them():
+    """The block a drafting cycle verifies, against a count by hand: for each n, the tokens n drafts accepted
+    with their rows' confidences give (brute force), less what plain steps commit in the cycle's time."""
+    policy = AdaptiveBlocks(COSTS, 8)
+    plain_rate = 1 / (COSTS.verify_s[0] + COSTS.draft_s[-1] / policy.run)  # a plain step and its share of a probe
+
+    def by_hand(confidence, top=8):
+        gain = {n + 1: brute_force_expected(confidence[:n], n + 1) - plain_rate * COSTS.passes_s(n + 1, 8)
+                for n in range(1, top)}
+        return max(gain, key=gain.get)
+
+    sure, unsure, mixed = [0.95] * 7, [0.1] * 7, [0.9, 0.9, 0.9, 0.05, 0.9, 0.9, 0.9]
+    chosen = [policy.verified_block(5, mx.array(c), None) for c in (sure, unsure, mixed)]
+    assert chosen == [by_hand(c) for c in (sure, unsure, mixed)] and len(set(chosen)) == 3  # 8, 2 and 4 (up to the unsure row)
+    assert policy.verified_block(5, mx.array(sure), left=4) == by_hand(sure, top=4) == 4  # never past max_tokens
+    assert policy.verified_block(5, mx.array([float("nan")] + sure[1:]), None) == 2  # nothing to accept
+    assert policy.verified_block(5, None, None) == FixedBlocks(5).verified_block(5, mx.array(sure), None) == 5
+    # a drafter sure of drafts that are never accepted: after a few cycles its confidence is discounted
+    for _ in range(12):
+        policy.observe_cycle(policy.verified_block(2, mx.array(sure), None), 0, 0.1)
+    assert policy.verified_block(2, mx.array(sure), None) == 2
 
 
 def test_estimates_start_from_the_card_or_neutral_and_shrink_toward_the_previous_position():

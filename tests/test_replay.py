@@ -51,6 +51,10 @@ class Logged(AdaptiveBlocks):
         self.log.append(("drafting_wins", left, super().drafting_wins(left)))
         return self.log[-1][-1]
 
+    def verified_block(self, B, confidence, left):
+        self.log.append(("verified_block", B, left, super().verified_block(B, confidence, left)))
+        return self.log[-1][-1]
+
     def observe_shadow(self, chain, single):
         self.log.append(("observe_shadow", list(chain), list(single)))
         super().observe_shadow(chain, single)

@@ -90,6 +90,10 @@ def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
     return stat, critical
 
 
+# one draft cheap to verify, each one after it worth its cost only where the drafter is sure of it
+COSTS_STEEP = CostModel([1.0, 1.1, 1.6, 2.1], [0.1] * 3)
+
+
 def adaptive_blocks():
     """Adaptive mode that mixes both paths inside 3 tokens: a plain step after a shadow probe, then its own choice
     (costs that make drafting look cheap, so it keeps drafting while drafts are accepted)."""
@@ -155,6 +159,23 @@ def test_adaptive_sampling_follows_mlx_lm(pair):
     model, drafter, target = pair
     params = SETTINGS["t0.7-topp0.9"]
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=5, blocks=adaptive_blocks), params)
+
+
+def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair):
+    """Each cycle verifies as many drafts as their rows' confidences pay for (costs rising steeply with the
+    block, so the choice varies from cycle to cycle): made on the rows' distributions, never on what was drawn
+    from them, the choice leaves the committed tokens mlx-lm's distribution."""
+    model, drafter, target = pair
+    params, verified = SETTINGS["t0.7-topp0.9"], []
+
+    class Recorded(AdaptiveBlocks):
+        def verified_block(self, B, confidence, left):
+            verified.append(super().verified_block(B, confidence, left))
+            return verified[-1]
+
+    blocks = lambda: Recorded(COSTS_STEEP, 4, timing_steps=0)  # noqa: E731
+    assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=7, blocks=blocks), params)
+    assert min(verified.count(2), verified.count(3)) > N // 10, Counter(verified)  # both, often
 
 
 def test_plain_sampling_follows_mlx_lm(pair):
