@@ -27,6 +27,18 @@ def trace_keys(target, drafter, prompts: list[list[int]], max_tokens: int, sizes
     return [f"{head} | prompt {hashlib.sha256(json.dumps(p).encode()).hexdigest()[:16]} | {tail}" for p in prompts]
 
 
+def calibration_line(label: str, block_max: int, firsts: list[tuple[float, bool]]) -> str:
+    """How often a first draft is accepted at each confidence (`Proposal.confidence`, fifths of [0, 1]): what
+    adaptive mode's choice of how many drafts to verify rests on."""
+    cells = []
+    for k in range(5):
+        hits = [ok for c, ok in firsts if k / 5 <= c < (k + 1) / 5 or (k == 4 and c >= 1.0)]
+        cells.append(f"{k / 5:.1f}-{(k + 1) / 5:.1f}: {sum(hits) / len(hits):.0%} of {len(hits)}" if hits
+                     else f"{k / 5:.1f}-{(k + 1) / 5:.1f}: none")
+    return (f"{label}: first drafts (blocks of {block_max}) accepted by the drafter's confidence in them: "
+            + ", ".join(cells))
+
+
 def load_traces(path: str | None) -> dict:
     if not path or not Path(path).exists():
         return {}
@@ -65,6 +77,7 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
                   " | adaptive | plain % | cycles | vs best |", "|---|---|---|" + "---|" * (len(fixed) + 4)]
         plain = 1 / costs.verify_s[0]
         keys = trace_keys(target, drafter, prompts, args.max_tokens, sizes, walk)
+        firsts = []  # (confidence, accepted) of every first draft of a block of block_max, all prompts
         for i, (prompt, key) in enumerate(zip(prompts, keys), 1):
             if known.get(key, {}).get("confidence"):  # kept without confidences (an older trace): recorded again
                 trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()},
@@ -72,6 +85,8 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
             else:
                 trace = record(target, drafter, prompt, args.max_tokens, sizes, eos, walk)
                 known[key] = asdict(trace)
+            firsts += [(c[0], trace.matches(j, block_max, 1) == [1.0])
+                       for j, c in enumerate(trace.confidence[block_max][: len(trace.tokens) - 1])]
             ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, args.max_tokens).tokens_per_s
                       / plain for B in fixed}
             run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, args.max_tokens)
@@ -86,7 +101,7 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         mine = [r for r in rows if r["drafter"] == label]
         lines += ["", f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
                   f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "
-                  f"{min(r['vs_best'] for r in mine):.3f}x", ""]
+                  f"{min(r['vs_best'] for r in mine):.3f}x", "", calibration_line(label, block_max, firsts), ""]
     if args.replay_traces:
         Path(args.replay_traces).write_text(json.dumps(known))
     text = "\n".join(lines)

@@ -112,6 +112,16 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     assert "| drafter | prompt | tokens | B=3 | B=5 | adaptive | plain % | cycles | vs best |" in table
     assert table.startswith(f"Made by `dflash2 bench --model {target} ") and " --replay " in table.split("\n")[0]
     assert len(json.loads(traces.read_text())) == 2  # a trace per prompt, kept
+    # how often first drafts are accepted at each confidence, counted here from the kept traces
+    kept = list(json.loads(traces.read_text()).values())
+    top = max(kept[0]["drafts"], key=int)
+    firsts = [(t["confidence"][top][j][0], t["drafts"][top][j][0] == t["tokens"][j + 1])
+              for t in kept for j in range(len(t["tokens"]) - 1)]
+    cells = {k: [ok for c, ok in firsts if min(int(c * 5), 4) == k] for k in range(5)}
+    assert sum(map(len, cells.values())) == len(firsts) > 0 and 0.0 < sum(c for c, _ in firsts) / len(firsts) < 1.0
+    line = ", ".join(f"{k / 5:.1f}-{(k + 1) / 5:.1f}: " + (f"{sum(v) / len(v):.0%} of {len(v)}" if v else "none")
+                     for k, v in cells.items())
+    assert f"accepted by the drafter's confidence in them: {line}\n" in table
 
     def recorded_again(*args, **kwargs):
         raise AssertionError("the kept traces should have been replayed")
