@@ -307,7 +307,7 @@ def test_eight_concurrent_clients(served):
 
 
 def test_full_queue_answers_503_with_retry_after(tiny_pair, tiny_dflash2, monkeypatch):
-    with running(tiny_pair[0], tiny_dflash2, "--queue-size", 1) as (app, port), gated(monkeypatch) as (gate, _):
+    with running(tiny_pair[0], tiny_dflash2, "--queue-size", 1) as (app, port), gated(monkeypatch) as (gate, counts):
         answers = {}
 
         def client(name):
@@ -316,6 +316,8 @@ def test_full_queue_answers_503_with_retry_after(tiny_pair, tiny_dflash2, monkey
         first = threading.Thread(target=client, args=("first",))
         first.start()
         wait_for(lambda: app.worker.running is not None, "the first request to run")
+        # held at the gate: a request queued before that could be taken into a batch at the first cycle boundary
+        wait_for(lambda: counts == [1], "the first request to reach the gate")
         second = threading.Thread(target=client, args=("second",))
         second.start()
         wait_for(lambda: app.worker.jobs.qsize() == 1, "the second request to queue")
