@@ -8,7 +8,8 @@ chosen from, verify rows included (`sampling.Processing`); without them the loop
 
 Every `Step` carries the log-probabilities its tokens were chosen from (`Step.logprobs`, the processed rows
 log-softmaxed as mlx-lm's `generate_step` computes them): lazy MLX arrays, computed only if a caller reads
-them, so the loops keep their one host read per step or cycle.
+them, so they add no host read to the loops (one per plain step or cycle; adaptive cycles add one for the
+drafts' confidences, `AdaptiveBlocks.verified_block`).
 """
 
 from __future__ import annotations
