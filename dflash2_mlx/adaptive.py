@@ -242,7 +242,9 @@ class AdaptiveBlocks:
     while running plain steps the recent memory starts drafting wherever it says so; while drafting the long
     memory decides, and is replaced by the recent one at a turn: cycles in a row that accepted less than the
     long memory gave them a `turn_p` chance of (a drafter right half the time often misses twice in a row, one
-    right every time does not).
+    right every time does not). Where a cycle's drafts were unsure (their calibrated confidences, see
+    `verified_block`, expected less than the long memory), its chance is taken on them: a miss the drafter
+    saw coming is no sign of a turn.
 
     Plain steps come in runs of `shadow_run` (default block_max), each started by a shadow probe (see
     `decode.dflash_steps`): one drafter pass proposing the next block, scored once the run has committed its
@@ -391,13 +393,18 @@ class AdaptiveBlocks:
         self.confidence = rows
         plain_rate = 1.0 / self.seconds(1)
         best, best_gain, expected, reach = B, -math.inf, 1.0, 1.0
-        for n, c in enumerate(rows, start=1):
-            reach *= min(1.0, c * self.confident_hits[n - 1] / self.confident_sum[n - 1])
+        for n, p in enumerate(self.calibrated(rows), start=1):
+            reach *= p
             expected += reach
             gain = expected - plain_rate * self.seconds(n + 1)
             if gain > best_gain:
                 best, best_gain = n + 1, gain
         return best
+
+    def calibrated(self, confidence: Sequence[float]) -> list[float]:
+        """Per draft position, P(accepted | the drafts before it accepted) that a row's confidence says, scaled by
+        how often the confidences verified at that position so far came true (`confident_hits / confident_sum`)."""
+        return [min(1.0, c * h / s) for c, h, s in zip(confidence, self.confident_hits, self.confident_sum)]
 
     def drafting_wins(self, left: int | None) -> bool:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
@@ -417,8 +424,11 @@ class AdaptiveBlocks:
         reached = min(accepted + 1, B - 1)  # positions reached: the accepted ones and the first rejection
         # the chance of accepting no more than this cycle did, on the long memory as it stood before the first
         # of the cycles in a row that fell short (below the median): those cycles' joint chance is `shortfall`
+        # (or on this cycle's calibrated confidences, where they expected less: a miss it saw coming is no surprise)
         reference = self.reference or self.acceptance()
-        at_most = 1.0 - math.prod(reference[:reached]) if accepted < B - 1 else 1.0
+        expected = reference if self.confidence is None else [
+            min(a, p) for a, p in zip(reference, self.calibrated(self.confidence))]
+        at_most = 1.0 - math.prod(expected[:reached]) if accepted < B - 1 else 1.0
         self.shortfall, self.reference = (self.shortfall * at_most, reference) if at_most < 0.5 else (1.0, None)
         for i in range(reached):
             self._count(i, 1.0, float(i < accepted))

@@ -167,17 +167,29 @@ def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
     assert misses_after_a_perfect_record(turn_p=0.0) > misses + 1
 
 
-def misses_after_a_perfect_record(**kw) -> int:
-    """Cycles accepting nothing that a policy drafts, after six that accepted every draft, before plain steps."""
+def misses_after_a_perfect_record(missed_on: list[float] | None = None, **kw) -> int:
+    """Cycles accepting nothing that a policy drafts, after six that accepted every draft, before plain steps.
+    `missed_on`: the misses' row confidences (the record's: sure rows); None: cycles without confidences."""
     policy = AdaptiveBlocks(COSTS, 8, timing_steps=0, **kw)
     for _ in range(6):
         B = policy.next_block(None)
+        B = policy.verified_block(B, None if missed_on is None else mx.array([0.95] * 7), None)
         policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
     misses = 0
-    while (B := policy.next_block(None)) > 1:
+    while (B := policy.next_block(None)) > 1 and misses < 100:
+        B = policy.verified_block(B, None if missed_on is None else mx.array(missed_on), None)
         policy.observe_cycle(B, 0, COSTS.passes_s(B))
         misses += 1
     return misses
+
+
+def test_misses_the_drafter_saw_coming_are_no_turn():
+    """A drafter right every time, then missing: where its rows were sure of the misses it has turned (as
+    without confidences); where they were unsure (its first draft's row at 0.05), it said so itself, and the
+    long memory decides as if no turn were ever detected."""
+    sure, unsure = [0.95] * 7, [0.05] + [0.95] * 6
+    assert misses_after_a_perfect_record(sure) == misses_after_a_perfect_record() <= 3
+    assert misses_after_a_perfect_record(unsure) == misses_after_a_perfect_record(turn_p=0.0) > 3 + 1
 
 
 def test_evidence_of_an_accepting_drafter_reaches_the_largest_block_within_three_cycles():
