@@ -195,6 +195,9 @@ def forget_costs(target, drafter, block_max: int) -> None:
         _write_costs(path, known)
 
 
+# A drafter's confidences start as if calibrated, worth this many verified drafts per position.
+CALIBRATION_PRIOR = 2.0
+
 # Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the
 # measurement no longer describes the machine (made while it was busy, or before an upgrade).
 STALE_RATIO = 2.0
@@ -246,6 +249,16 @@ class AdaptiveBlocks:
     `verified_block`, expected less than the long memory), its chance is taken on them: a miss the drafter
     saw coming is no sign of a turn.
 
+    A position a cycle verified counts its outcome blended with its calibrated confidence, up to
+    `confidence_weight` of the latter: a 0 or 1 says little about a probability, the drafter's own
+    confidence much more (the bundled drafter's first draft is accepted 7% of the time where its row's top
+    probability is under 0.2, 88% where it is over 0.8), so a few unlucky cycles of a drafter sure of itself
+    no longer turn it off, nor do a few lucky ones of an unsure one keep it on. The blend trusts the
+    calibration only as far as it is measured (weight x measured / (measured + CALIBRATION_PRIOR) verified
+    drafts at that position); the recent memory counts outcomes alone (it is what notices a turn), and at a
+    turn the calibration keeps only what the cycles that fell short say: a drafter still sure of itself past
+    a turn is wrong, and its confidences count for nothing until they are right again.
+
     Plain steps come in runs of `shadow_run` (default block_max), each started by a shadow probe (see
     `decode.dflash_steps`): one drafter pass proposing the next block, scored once the run has committed its
     tokens (`sampling.draft_acceptance`). A probe costs a drafter pass, not a verify, so plain stretches keep
@@ -265,7 +278,7 @@ class AdaptiveBlocks:
                  prior_weight: float = 3.0, decay: float = 0.8, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
                  shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None,
-                 calibration_decay: float = 0.95):
+                 calibration_decay: float = 0.95, confidence_weight: float = 0.5):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
@@ -290,10 +303,12 @@ class AdaptiveBlocks:
         # the first cycle at a block size traces it: one-off costs the cycles after it do not pay.
         self.after_plain, self.traced = True, set()
         # per draft position, decayed by `calibration_decay` over verified drafts (a drafter's calibration
-        # changes less with the text than its acceptance does): accepted, and the confidence they were
-        # verified on, two observations of a calibrated drafter to start; the last cycle's confidences
-        self.calibration_decay, self.confidence = calibration_decay, None
-        self.confident_hits, self.confident_sum = [2.0] * n, [2.0] * n
+        # changes less with the text than its acceptance does): accepted, the confidence they were verified on
+        # (CALIBRATION_PRIOR observations of a calibrated drafter to start) and how many were measured; the
+        # same sums over the cycles that fell short in a row (see `observe_cycle`); the last cycle's confidences
+        self.calibration_decay, self.confidence_weight, self.confidence = calibration_decay, confidence_weight, None
+        self.confident_hits, self.confident_sum = [CALIBRATION_PRIOR] * n, [CALIBRATION_PRIOR] * n
+        self.calibrated_n, self.shortfall_calibration = [0.0] * n, {}
 
     def acceptance(self, recent: bool = False) -> list[float]:
         """Estimated P(draft i accepted | drafts before it accepted), i = 1..block_max-1 (`recent`: from the
@@ -422,29 +437,50 @@ class AdaptiveBlocks:
         """Its acceptance always counts; its time only for a steady cycle (see `after_plain`): a cycle's
         one-off costs would otherwise make every block look dearer than it is, and keep the drafter off."""
         reached = min(accepted + 1, B - 1)  # positions reached: the accepted ones and the first rejection
+        calibrated = None if self.confidence is None else self.calibrated(self.confidence)
         # the chance of accepting no more than this cycle did, on the long memory as it stood before the first
         # of the cycles in a row that fell short (below the median): those cycles' joint chance is `shortfall`
         # (or on this cycle's calibrated confidences, where they expected less: a miss it saw coming is no surprise)
         reference = self.reference or self.acceptance()
-        expected = reference if self.confidence is None else [
-            min(a, p) for a, p in zip(reference, self.calibrated(self.confidence))]
+        expected = reference if calibrated is None else [min(a, p) for a, p in zip(reference, calibrated)]
         at_most = 1.0 - math.prod(expected[:reached]) if accepted < B - 1 else 1.0
         self.shortfall, self.reference = (self.shortfall * at_most, reference) if at_most < 0.5 else (1.0, None)
         for i in range(reached):
-            self._count(i, 1.0, float(i < accepted))
-        if self.confidence is not None:  # the calibration of the confidences this cycle was verified on
-            for i in range(reached):
-                self.confident_hits[i] = self.calibration_decay * self.confident_hits[i] + float(i < accepted)
-                self.confident_sum[i] = self.calibration_decay * self.confident_sum[i] + self.confidence[i]
-            self.confidence = None
+            hit = float(i < accepted)
+            self._count(i, 1.0, hit if calibrated is None else self._blend(i, hit, calibrated[i]), recent_hits=hit)
+        if self.confidence is not None:
+            self._calibrate(reached, accepted)
         if self.shortfall < self.turn_p:  # a turn: the older evidence describes another text
             self.hits, self.seen = list(self.recent_hits), list(self.recent_seen)
             self.shortfall, self.reference = 1.0, None
+            for i, (hits, total) in self.shortfall_calibration.items():  # and the confidences as far as they held
+                self.confident_hits[i], self.confident_sum[i], self.calibrated_n[i] = hits, total, 0.0
         self.cycles += 1
         if not self.after_plain and B in self.traced:
             self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.drafted_block(B)))
         self.after_plain = False
         self.traced.add(B)
+
+    def _blend(self, i: int, hit: float, calibrated: float) -> float:
+        """Position i's count for a cycle: its outcome `hit`, blended with its `calibrated` confidence by up to
+        `confidence_weight`, as far as the calibration at i is measured rather than assumed."""
+        weight = self.confidence_weight * self.calibrated_n[i] / (self.calibrated_n[i] + CALIBRATION_PRIOR)
+        return (1 - weight) * hit + weight * calibrated
+
+    def _calibrate(self, reached: int, accepted: int) -> None:
+        """Calibrate the confidences the last cycle was verified on at the positions it reached; while cycles
+        fall short in a row (`shortfall` < 1) their own sums are kept apart too, for a turn."""
+        if self.shortfall == 1.0:
+            self.shortfall_calibration = {}
+        for i in range(reached):
+            hit, confidence = float(i < accepted), self.confidence[i]
+            self.confident_hits[i] = self.calibration_decay * self.confident_hits[i] + hit
+            self.confident_sum[i] = self.calibration_decay * self.confident_sum[i] + confidence
+            self.calibrated_n[i] = self.calibration_decay * self.calibrated_n[i] + 1.0
+            if self.shortfall < 1.0:
+                hits, total = self.shortfall_calibration.get(i, (0.0, 0.0))
+                self.shortfall_calibration[i] = (hits + hit, total + confidence)
+        self.confidence = None
 
     def observe_shadow(self, chain: Sequence[float], single: Sequence[float]) -> None:
         """A shadow probe's score (`sampling.draft_acceptance`): chain[i] = P(drafts 1..i+1 accepted),
@@ -456,12 +492,13 @@ class AdaptiveBlocks:
             self._count(i, reach + beyond, c + beyond * a)
             reach = c
 
-    def _count(self, i: int, seen: float, hits: float) -> None:
-        """One observation at position i: `seen` reached it, `hits` of them accepted."""
+    def _count(self, i: int, seen: float, hits: float, recent_hits: float | None = None) -> None:
+        """One observation at position i: `seen` reached it, `hits` of them accepted (`recent_hits` in the recent
+        memory, if it counts otherwise)."""
         self.seen[i] = self.decay * self.seen[i] + seen
         self.hits[i] = self.decay * self.hits[i] + hits
         self.recent_seen[i] = self.recent_decay * self.recent_seen[i] + seen
-        self.recent_hits[i] = self.recent_decay * self.recent_hits[i] + hits
+        self.recent_hits[i] = self.recent_decay * self.recent_hits[i] + (hits if recent_hits is None else recent_hits)
 
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         """`seconds` of `steps` plain steps and `probes` shadow probes (a drafter pass each) among them."""

@@ -183,13 +183,31 @@ def misses_after_a_perfect_record(missed_on: list[float] | None = None, **kw) ->
     return misses
 
 
+def test_a_verified_draft_counts_its_outcome_blended_with_its_calibrated_confidence():
+    """By hand, two cycles: the first counts outcomes alone (no calibration measured yet: only the prior's two
+    observations); the second blends each outcome with its row's confidence calibrated by the first cycle,
+    with a weight of 0.5 x 1 / (1 + 2) (one measured observation against the prior's two). The recent memory
+    counts the outcomes alone."""
+    policy = AdaptiveBlocks(COSTS, 5, decay=0.5, recent_decay=0.25, calibration_decay=0.9, confidence_weight=0.5)
+    policy.verified_block(5, mx.array([0.8, 0.6, 0.4, 0.2]), None)
+    policy.observe_cycle(5, 1, 0.1)  # draft 1 accepted, draft 2 rejected
+    assert policy.hits == [1.0, 0.0, 0.0, 0.0] and policy.seen == [1.0, 1.0, 0.0, 0.0]
+    policy.verified_block(5, mx.array([0.5, 0.5, 0.5, 0.5]), None)
+    policy.observe_cycle(5, 0, 0.1)  # draft 1 rejected
+    calibrated = 0.5 * (2 * 0.9 + 1) / (2 * 0.9 + 0.8)  # its confidence x hits / confidence so far at position 1
+    weight = 0.5 * 1 / (1 + 2)
+    assert policy.hits == pytest.approx([0.5 * 1 + weight * calibrated, 0.0, 0.0, 0.0])
+    assert policy.recent_hits == pytest.approx([0.25 * 1 + 0.0, 0.0, 0.0, 0.0])
+    assert policy.seen == [1.5, 1.0, 0.0, 0.0]  # a position decays with its own observations only
+
+
 def test_misses_the_drafter_saw_coming_are_no_turn():
     """A drafter right every time, then missing: where its rows were sure of the misses it has turned (as
     without confidences); where they were unsure (its first draft's row at 0.05), it said so itself, and the
     long memory decides as if no turn were ever detected."""
     sure, unsure = [0.95] * 7, [0.05] + [0.95] * 6
     assert misses_after_a_perfect_record(sure) == misses_after_a_perfect_record() <= 3
-    assert misses_after_a_perfect_record(unsure) == misses_after_a_perfect_record(turn_p=0.0) > 3 + 1
+    assert misses_after_a_perfect_record(unsure) == misses_after_a_perfect_record(unsure, turn_p=0.0) > 3 + 1
 
 
 def test_evidence_of_an_accepting_drafter_reaches_the_largest_block_within_three_cycles():
