@@ -475,6 +475,9 @@ def add_parser(sub) -> None:
                    "cost curve (T = 0): the policies' decisions without timing noise")
     p.add_argument("--replay-traces", metavar="FILE",
                    help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
+    p.add_argument("--replay-jitter", type=int, default=0, metavar="N",
+                   help="with --replay: also replay on N cost curves within +-3%% of the measured one and report "
+                   "adaptive mode averaged over them (a single curve's decisions swing by several percent)")
     p.add_argument("--engines", metavar="LIST",
                    help="peer engines to add rows for, each in its own process with the same target, drafters and "
                    "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated")
@@ -490,6 +493,10 @@ def run(args) -> int:
     engines = parse_engines(args.engines)
     if args.peer_python and not engines:
         raise ValueError("--peer-python goes with --engines (the peer engines it runs)")
+    if args.replay_jitter and not args.replay:
+        raise ValueError("--replay-jitter goes with --replay (it replays the kept answers on perturbed curves)")
+    if args.replay_jitter < 0:
+        raise ValueError(f"--replay-jitter is a number of curves (0: none), got {args.replay_jitter}")
     peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
     use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
     if args.quick:

@@ -4,7 +4,9 @@ timed on this machine's measured cost curve: the policies' decisions without the
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import random
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -13,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash2_apps.common import write_markdown
-from dflash2_mlx.adaptive import load_or_measure_costs
+from dflash2_mlx.adaptive import CostModel, load_or_measure_costs
 from dflash2_mlx.generate import block_policy, resolve_block_size
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.replay import Trace, record, replay
@@ -39,6 +41,51 @@ def calibration_line(label: str, block_max: int, firsts: list[tuple[float, bool]
             + ", ".join(cells))
 
 
+# How far `--replay-jitter` moves each point of the cost curve (uniformly, up or down).
+JITTER = 0.03
+
+
+def perturbed(costs: CostModel, seed: int, spread: float = JITTER) -> CostModel:
+    """`costs` with every point but a plain step scaled by 1 + U(-spread, spread) (seeded), then made monotone (a
+    pass over more tokens never costs less): a machine whose curve this one could have been measured from. The
+    policies' decisions are discontinuous, so a single prompt's replay swings by several percent when the curve
+    moves by 1%; averaged over such curves, it says how a rule does rather than how one curve falls for it."""
+    rng = random.Random(seed)
+    verify = costs.verify_s[:1] + [s * (1 + rng.uniform(-spread, spread)) for s in costs.verify_s[1:]]
+    draft = [s * (1 + rng.uniform(-spread, spread)) for s in costs.draft_s]
+    return CostModel(list(itertools.accumulate(verify, max)), list(itertools.accumulate(draft, max)))
+
+
+def replay_prompt(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel,
+                  max_tokens: int):
+    """Each fixed block's committed tokens per second relative to plain steps on `trace`, and adaptive mode's
+    replay (`Replayed`)."""
+    plain = 1 / costs.verify_s[0]
+    ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, max_tokens).tokens_per_s / plain
+              for B in fixed}
+    return ratios, replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, max_tokens)
+
+
+def jittered(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel, args) -> dict:
+    """Adaptive mode against plain steps and against the best of plain and the fixed blocks on `trace`, each
+    averaged over `args.replay_jitter` perturbed curves (`perturbed`, seeds 0..n-1)."""
+    vs_plain, vs_best = [], []
+    for seed in range(args.replay_jitter):
+        curve = perturbed(costs, seed)
+        ratios, run = replay_prompt(trace, target, drafter, fixed, block_max, curve, args.max_tokens)
+        adaptive = run.tokens_per_s * curve.verify_s[0]
+        vs_plain.append(adaptive)
+        vs_best.append(adaptive / max([1.0, *ratios.values()]))
+    return {"adaptive": statistics.mean(vs_plain), "vs_best": statistics.mean(vs_best)}
+
+
+def jitter_line(label: str, n: int, per_prompt: list[dict]) -> str:
+    return (f"{label} on {n} curves within +-{JITTER:.0%} of this one (each prompt averaged over them): adaptive vs "
+            f"plain mean {statistics.mean(j['adaptive'] for j in per_prompt):.3f}x, worst "
+            f"{min(j['adaptive'] for j in per_prompt):.3f}x; vs the best of plain and fixed blocks mean "
+            f"{statistics.mean(j['vs_best'] for j in per_prompt):.3f}x, worst {min(j['vs_best'] for j in per_prompt):.3f}x")
+
+
 def load_traces(path: str | None) -> dict:
     if not path or not Path(path).exists():
         return {}
@@ -60,13 +107,14 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
     asked = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
     walk = (args.walk or ["greedy"])[0]
     eos = list(tokenizer.eos_token_ids)
-    lines, rows = [], []
+    lines, rows, curves = [], [], {}
     for label, drafter in drafters:
         target = bind_drafter(drafter, model)
         block_max = resolve_block_size(drafter, None, "adaptive")
         fixed = sorted({resolve_block_size(drafter, B) for B in asked if B <= block_max} or
                        {resolve_block_size(drafter, None)})
         costs = load_or_measure_costs(target, drafter, block_max)
+        curves[label] = asdict(costs)
         sizes = sorted({*fixed, block_max})
         lines += [f"{label} replayed at T = 0 on this machine's cost curve (target forward over n tokens / one "
                   f"plain step: {' '.join(f'{r:.2f}' for _, r in costs.curve())}; drafter pass "
@@ -87,26 +135,29 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
                 known[key] = asdict(trace)
             firsts += [(c[0], trace.matches(j, block_max, 1) == [1.0])
                        for j, c in enumerate(trace.confidence[block_max][: len(trace.tokens) - 1])]
-            ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, args.max_tokens).tokens_per_s
-                      / plain for B in fixed}
-            run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, args.max_tokens)
+            ratios, run = replay_prompt(trace, target, drafter, fixed, block_max, costs, args.max_tokens)
             adaptive = run.tokens_per_s / plain
             best = max([1.0, *ratios.values()])
             share = run.plain_steps / max(1, run.tokens - 1)
             rows.append({"drafter": label, "prompt": i, "tokens": len(trace.tokens), "fixed": ratios,
                          "adaptive": adaptive, "plain_share": share, "cycles": len(run.blocks),
                          "probes": run.probes, "vs_best": adaptive / best})
+            if args.replay_jitter:
+                rows[-1]["jitter"] = jittered(trace, target, drafter, fixed, block_max, costs, args)
             lines.append(f"| {label} | {i} | {len(trace.tokens)} | " + " | ".join(f"{r:.2f}x" for r in ratios.values())
                          + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {adaptive / best:.2f}x |")
         mine = [r for r in rows if r["drafter"] == label]
         lines += ["", f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
                   f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "
-                  f"{min(r['vs_best'] for r in mine):.3f}x", "", calibration_line(label, block_max, firsts), ""]
+                  f"{min(r['vs_best'] for r in mine):.3f}x", ""]
+        if args.replay_jitter:
+            lines += [jitter_line(label, args.replay_jitter, [r["jitter"] for r in mine]), ""]
+        lines += [calibration_line(label, block_max, firsts), ""]
     if args.replay_traces:
         Path(args.replay_traces).write_text(json.dumps(known))
     text = "\n".join(lines)
     print(text)
     write_markdown(args, text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked}, indent=1))
+        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked, "costs": curves}, indent=1))
     return 0

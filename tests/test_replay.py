@@ -11,8 +11,10 @@ from conftest import make_oracle, make_target
 from test_adaptive import COSTS, decide_on
 from test_decode import prompts
 
-from dflash2_mlx.adaptive import AdaptiveBlocks, FixedBlocks
-from dflash2_mlx.loading import bind_drafter
+from dflash2_apps.replay import perturbed
+from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from dflash2_mlx.generate import block_policy
+from dflash2_mlx.loading import bind_drafter, load
 from dflash2_mlx.replay import Trace, record, replay
 
 generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
@@ -95,6 +97,16 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch):
     assert any(c[0] == "drafting_wins" and c[2] for c in policy.log)  # a run cut short by its probe
 
 
+def test_perturbed_curves_stay_within_3_percent_of_the_measured_one_and_monotone():
+    curves = [perturbed(COSTS, seed) for seed in range(20)]
+    for curve in curves:
+        assert curve.verify_s[0] == COSTS.verify_s[0]  # the plain step: the unit every ratio is taken in
+        for measured, moved in ((COSTS.verify_s, curve.verify_s), (COSTS.draft_s, curve.draft_s)):
+            assert all(0.97 * m <= p <= 1.03 * m for m, p in zip(measured, moved))
+            assert all(a <= b for a, b in zip(moved, moved[1:]))
+    assert len({tuple(c.verify_s) for c in curves}) == 20 and perturbed(COSTS, 3) == curves[3]
+
+
 def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatch, capsys):
     from dflash2_apps.cli import main
 
@@ -122,6 +134,32 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     line = ", ".join(f"{k / 5:.1f}-{(k + 1) / 5:.1f}: " + (f"{sum(v) / len(v):.0%} of {len(v)}" if v else "none")
                      for k, v in cells.items())
     assert f"accepted by the drafter's confidence in them: {line}\n" in table
+
+    # on perturbed curves: each prompt averaged over them (by hand, from the kept traces and the report's curve)
+    assert main(args + ["--replay-jitter", "3"]) == 0
+    report = json.loads(out.read_text())
+    model, _, loaded = load(str(target), str(drafter))
+    bound = bind_drafter(loaded, model)
+    costs = CostModel(**next(iter(report["costs"].values())))
+    for row, kept_trace in zip(report["replay"], kept):
+        trace = Trace(kept_trace["tokens"], {int(B): d for B, d in kept_trace["drafts"].items()},
+                      {int(B): c for B, c in kept_trace["confidence"].items()})
+        vs_plain, vs_best = [], []
+        for seed in range(3):
+            curve = perturbed(costs, seed)
+            fixed = [replay(trace, FixedBlocks(B), curve, 24).tokens_per_s * curve.verify_s[0] for B in (3, 5)]
+            policy = block_policy(bound, loaded, int(top), "adaptive", curve)
+            vs_plain.append(replay(trace, policy, curve, 24).tokens_per_s * curve.verify_s[0])
+            vs_best.append(vs_plain[-1] / max(1.0, *fixed))
+        assert row["jitter"] == pytest.approx({"adaptive": sum(vs_plain) / 3, "vs_best": sum(vs_best) / 3})
+    worst = min(r["jitter"]["vs_best"] for r in report["replay"])
+    assert f"of plain and fixed blocks mean" in (tmp_path / "replay.md").read_text()
+    assert f"x, worst {worst:.3f}x\n" in (tmp_path / "replay.md").read_text()
+    capsys.readouterr()
+    assert main(args + ["--replay-jitter", "-1"]) == 2
+    assert "--replay-jitter is a number of curves" in capsys.readouterr().err
+    assert main(["bench", "--model", str(target), "--replay-jitter", "2"]) == 2
+    assert "--replay-jitter goes with --replay" in capsys.readouterr().err
 
     def recorded_again(*args, **kwargs):
         raise AssertionError("the kept traces should have been replayed")
