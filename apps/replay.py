@@ -58,25 +58,22 @@ def perturbed(costs: CostModel, seed: int, spread: float = JITTER) -> CostModel:
 
 def replay_prompt(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel,
                   max_tokens: int):
-    """Each fixed block's committed tokens per second relative to plain steps on `trace`, and adaptive mode's
-    replay (`Replayed`)."""
+    """On `trace`: each fixed block's committed tokens per second relative to plain steps, adaptive mode's replay
+    (`Replayed`), its own ratio to plain steps, and its ratio to the best of plain steps and the fixed blocks."""
     plain = 1 / costs.verify_s[0]
     ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, max_tokens).tokens_per_s / plain
               for B in fixed}
-    return ratios, replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, max_tokens)
+    run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, max_tokens)
+    adaptive = run.tokens_per_s / plain
+    return ratios, run, adaptive, adaptive / max([1.0, *ratios.values()])
 
 
 def jittered(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel, args) -> dict:
     """Adaptive mode against plain steps and against the best of plain and the fixed blocks on `trace`, each
     averaged over `args.replay_jitter` perturbed curves (`perturbed`, seeds 0..n-1)."""
-    vs_plain, vs_best = [], []
-    for seed in range(args.replay_jitter):
-        curve = perturbed(costs, seed)
-        ratios, run = replay_prompt(trace, target, drafter, fixed, block_max, curve, args.max_tokens)
-        adaptive = run.tokens_per_s * curve.verify_s[0]
-        vs_plain.append(adaptive)
-        vs_best.append(adaptive / max([1.0, *ratios.values()]))
-    return {"adaptive": statistics.mean(vs_plain), "vs_best": statistics.mean(vs_best)}
+    replays = [replay_prompt(trace, target, drafter, fixed, block_max, perturbed(costs, seed), args.max_tokens)
+               for seed in range(args.replay_jitter)]
+    return {"adaptive": statistics.mean(r[2] for r in replays), "vs_best": statistics.mean(r[3] for r in replays)}
 
 
 def jitter_line(label: str, n: int, per_prompt: list[dict]) -> str:
@@ -123,7 +120,6 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
                   "passes' costs only (the loop's own work left out)", ""]
         lines += ["| drafter | prompt | tokens | " + " | ".join(f"B={B}" for B in fixed) +
                   " | adaptive | plain % | cycles | vs best |", "|---|---|---|" + "---|" * (len(fixed) + 4)]
-        plain = 1 / costs.verify_s[0]
         keys = trace_keys(target, drafter, prompts, args.max_tokens, sizes, walk)
         firsts = []  # (confidence, accepted) of every first draft of a block of block_max, all prompts
         for i, (prompt, key) in enumerate(zip(prompts, keys), 1):
@@ -135,17 +131,16 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
                 known[key] = asdict(trace)
             firsts += [(c[0], trace.matches(j, block_max, 1) == [1.0])
                        for j, c in enumerate(trace.confidence[block_max][: len(trace.tokens) - 1])]
-            ratios, run = replay_prompt(trace, target, drafter, fixed, block_max, costs, args.max_tokens)
-            adaptive = run.tokens_per_s / plain
-            best = max([1.0, *ratios.values()])
+            ratios, run, adaptive, vs_best = replay_prompt(trace, target, drafter, fixed, block_max, costs,
+                                                           args.max_tokens)
             share = run.plain_steps / max(1, run.tokens - 1)
             rows.append({"drafter": label, "prompt": i, "tokens": len(trace.tokens), "fixed": ratios,
                          "adaptive": adaptive, "plain_share": share, "cycles": len(run.blocks),
-                         "probes": run.probes, "vs_best": adaptive / best})
+                         "probes": run.probes, "vs_best": vs_best})
             if args.replay_jitter:
                 rows[-1]["jitter"] = jittered(trace, target, drafter, fixed, block_max, costs, args)
             lines.append(f"| {label} | {i} | {len(trace.tokens)} | " + " | ".join(f"{r:.2f}x" for r in ratios.values())
-                         + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {adaptive / best:.2f}x |")
+                         + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {vs_best:.2f}x |")
         mine = [r for r in rows if r["drafter"] == label]
         lines += ["", f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
                   f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "

@@ -153,7 +153,7 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
             vs_best.append(vs_plain[-1] / max(1.0, *fixed))
         assert row["jitter"] == pytest.approx({"adaptive": sum(vs_plain) / 3, "vs_best": sum(vs_best) / 3})
     worst = min(r["jitter"]["vs_best"] for r in report["replay"])
-    assert f"of plain and fixed blocks mean" in (tmp_path / "replay.md").read_text()
+    assert "of plain and fixed blocks mean" in (tmp_path / "replay.md").read_text()
     assert f"x, worst {worst:.3f}x\n" in (tmp_path / "replay.md").read_text()
     capsys.readouterr()
     assert main(args + ["--replay-jitter", "-1"]) == 2
