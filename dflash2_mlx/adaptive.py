@@ -59,9 +59,10 @@ class CostModel:
         return len(self.draft_s) + 1
 
     def passes_s(self, B: int, drafted: int | None = None) -> float:
-        """A cycle's two passes verifying a block of B (B = 1: one plain step), the drafter's over a block of
-        `drafted` (default B: it proposes only what is verified)."""
-        return self.verify_s[B - 1] + (self.draft_s[(drafted or B) - 2] if B > 1 else 0.0)
+        """A cycle's two passes verifying a block of B, the drafter's over a block of `drafted` (default B: it
+        proposes only what is verified). B = 1: one plain step, after a drafter pass only if `drafted` is given (a
+        cycle that verified none of its drafts)."""
+        return self.verify_s[B - 1] + (self.draft_s[(drafted or B) - 2] if drafted or B > 1 else 0.0)
 
     def curve(self) -> list[tuple[int, float]]:
         """(n, target forward over n tokens / a plain step): the verify cost curve."""
@@ -341,10 +342,18 @@ class AdaptiveBlocks:
         """Expected seconds of a cycle at B (B = 1: a plain step with its share of a shadow probe): the
         measured passes, scaled as observed (by the other kind's scale until one of this kind is seen, so the
         two stay comparable)."""
-        own, other = (self.scale_plain, self.scale_draft) if B == 1 else (self.scale_draft, self.scale_plain)
-        scale = own if own is not None else other if other is not None else 1.0
-        shadow = self.probe_s / self.run if B == 1 else 0.0
-        return (self.costs.passes_s(B, self.drafted_block(B)) + shadow) * scale
+        if B == 1:
+            return (self.costs.passes_s(1) + self.probe_s / self.run) * self._scale(self.scale_plain, self.scale_draft)
+        return self.cycle_seconds(B)
+
+    def cycle_seconds(self, B: int) -> float:
+        """Expected seconds of a drafting cycle verifying B tokens: the anchor and B - 1 drafts (B = 1: none, a
+        plain step after the drafter pass)."""
+        return self.costs.passes_s(B, self.drafted_block(B)) * self._scale(self.scale_draft, self.scale_plain)
+
+    @staticmethod
+    def _scale(own: float | None, other: float | None) -> float:
+        return own if own is not None else other if other is not None else 1.0
 
     def rates(self, top: int) -> dict[int, float]:
         """Expected committed tokens per second at each block size 1..top, on the decisive estimates."""
@@ -396,9 +405,11 @@ class AdaptiveBlocks:
         The estimates say whether to draft; the drafter's own confidence says how far this block is worth
         verifying, which varies from cycle to cycle far more than any average does (the bundled drafter's
         first drafts along the 24 answers `dflash2 bench --replay` keeps: accepted 7% of the time where its
-        row's top probability is under 0.2, 88% where it is over 0.8). At least one draft is verified, so the first position's estimate stays
-        unbiased by the choice. Choosing on the rows' distributions, never on what was drawn from them, keeps
-        the acceptance rule exact at any temperature."""
+        row's top probability is under 0.2, 88% where it is over 0.8). Where even the first draft is not worth
+        what it adds to the verify, none is (1): the cycle is a plain step from its anchor, the drafter pass
+        spent, and the token it commits scores the first draft (`observe_unverified`), so the first position's
+        estimate stays unbiased by the choice. Choosing on the rows' distributions, never on what was drawn from
+        them, keeps the acceptance rule exact at any temperature."""
         if confidence is None:
             return B
         top = max(2, self._top(left))
@@ -407,11 +418,11 @@ class AdaptiveBlocks:
             return 2
         self.confidence = rows
         plain_rate = 1.0 / self.seconds(1)
-        best, best_gain, expected, reach = B, -math.inf, 1.0, 1.0
+        best, best_gain, expected, reach = 1, 1.0 - plain_rate * self.cycle_seconds(1), 1.0, 1.0
         for n, p in enumerate(self.calibrated(rows), start=1):
             reach *= p
             expected += reach
-            gain = expected - plain_rate * self.seconds(n + 1)
+            gain = expected - plain_rate * self.cycle_seconds(n + 1)
             if gain > best_gain:
                 best, best_gain = n + 1, gain
         return best
@@ -445,16 +456,29 @@ class AdaptiveBlocks:
         expected = reference if calibrated is None else [min(a, p) for a, p in zip(reference, calibrated)]
         at_most = 1.0 - math.prod(expected[:reached]) if accepted < B - 1 else 1.0
         self.shortfall, self.reference = (self.shortfall * at_most, reference) if at_most < 0.5 else (1.0, None)
-        for i in range(reached):
-            hit = float(i < accepted)
+        outcomes = [float(i < accepted) for i in range(reached)]
+        for i, hit in enumerate(outcomes):
             self._count(i, 1.0, hit if calibrated is None else self._blend(i, hit, calibrated[i]), recent_hits=hit)
         if self.confidence is not None:
-            self._calibrate(reached, accepted)
+            self._calibrate(outcomes)
         if self.shortfall < self.turn_p:  # a turn: the older evidence describes another text
             self.hits, self.seen = list(self.recent_hits), list(self.recent_seen)
             self.shortfall, self.reference = 1.0, None
             for i, (hits, total) in self.shortfall_calibration.items():  # and the confidences as far as they held
                 self.confident_hits[i], self.confident_sum[i], self.calibrated_n[i] = hits, total, 0.0
+        self._time_cycle(B, seconds)
+
+    def observe_unverified(self, first: float, seconds: float) -> None:
+        """A cycle that verified none of its drafts (`verified_block` chose 1: a plain step after the drafter
+        pass), its first draft scored against the token it committed (`first`, `sampling.draft_acceptance`: at
+        T = 0 whether they match): the first position counts as if it had been verified, so leaving unsure drafts
+        unverified biases no estimate. No sign of a turn: the drafter saw the miss coming."""
+        self._count(0, 1.0, self._blend(0, first, self.calibrated(self.confidence)[0]), recent_hits=first)
+        self._calibrate([first])
+        self._time_cycle(1, seconds)
+
+    def _time_cycle(self, B: int, seconds: float) -> None:
+        """Count a cycle that verified B tokens, and its time if it was steady (see `observe_cycle`)."""
         self.cycles += 1
         if not self.after_plain and B in self.traced:
             self.scale_draft = self._mix(self.scale_draft, seconds / self.costs.passes_s(B, self.drafted_block(B)))
@@ -467,13 +491,14 @@ class AdaptiveBlocks:
         weight = self.confidence_weight * self.calibrated_n[i] / (self.calibrated_n[i] + CALIBRATION_PRIOR)
         return (1 - weight) * hit + weight * calibrated
 
-    def _calibrate(self, reached: int, accepted: int) -> None:
-        """Calibrate the confidences the last cycle was verified on at the positions it reached; while cycles
-        fall short in a row (`shortfall` < 1) their own sums are kept apart too, for a turn."""
+    def _calibrate(self, outcomes: Sequence[float]) -> None:
+        """Calibrate the confidences the last cycle drafted on at the positions it reached, each accepted or not
+        (`outcomes`, 1 or 0; an unverified draft's score); while cycles fall short in a row (`shortfall` < 1)
+        their own sums are kept apart too, for a turn."""
         if self.shortfall == 1.0:
             self.shortfall_calibration = {}
-        for i in range(reached):
-            hit, confidence = float(i < accepted), self.confidence[i]
+        for i, hit in enumerate(outcomes):
+            confidence = self.confidence[i]
             self.confident_hits[i] = self.calibration_decay * self.confident_hits[i] + hit
             self.confident_sum[i] = self.calibration_decay * self.confident_sum[i] + confidence
             self.calibrated_n[i] = self.calibration_decay * self.calibrated_n[i] + 1.0

@@ -152,6 +152,16 @@ def dflash_steps(
             proposal = drafter.propose(drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache,
                                        params, walk)
             B = blocks.verified_block(B, proposal.confidence, None if max_tokens is None else max_tokens - produced + 1)
+            if B == 1:  # no draft worth verifying: a plain step from the anchor, whose token scores the first draft
+                logits, context = tap.forward(anchor.reshape(1), cache)
+                anchor, row = _choose(logits[-1], params, procs)
+                first = draft_acceptance(proposal, anchor[None], row[None], params)[1, 0]
+                mx.eval(anchor, first)
+                produced += 1
+                blocks.observe_unverified(first.item(), time.perf_counter() - tic)
+                yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), [context])
+                tic = time.perf_counter()
+                continue
             proposal = proposal.first(B - 1)
             # Verify: one target pass over [anchor, drafts], features captured on the way.
             verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)

@@ -88,7 +88,7 @@ class Replayed:
 
     seconds: float = 0.0
     tokens: int = 1  # the prefill's token (its time is not counted: every policy pays it alike)
-    plain_steps: int = 0
+    plain_steps: int = 0  # tokens committed by plain steps (a cycle that verified no draft is one)
     probes: int = 0
     blocks: list[int] = field(default_factory=list)  # each cycle's block size (plain steps: not listed)
     accepted: list[int] = field(default_factory=list)
@@ -138,6 +138,11 @@ def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
             B = max(2, min(B, limit - out.tokens + 1))
         drafted = policy.drafted_block(B)
         B = policy.verified_block(B, trace.confidences(out.tokens - 1, drafted), limit - out.tokens + 1)
+        if B == 1:  # no draft verified: a plain step after the drafter pass, its token scoring the first draft
+            seconds = costs.passes_s(1, drafted)
+            policy.observe_unverified(trace.matches(out.tokens - 1, drafted, 1)[0], seconds)
+            out.tokens, out.plain_steps, out.seconds = out.tokens + 1, out.plain_steps + 1, out.seconds + seconds
+            continue
         a = trace.accepted(out.tokens - 1, B, drafted)
         seconds = costs.passes_s(B, drafted)
         policy.observe_cycle(B, a, seconds)

@@ -164,11 +164,15 @@ class OracleDrafter(DFlashDraftModel):
     that the context it is given is exactly the target features of the rows committed since the last
     call. It proves the loop's acceptance accounting, cache rollback and context bookkeeping. With mlx-lm
     `processors`, its continuation is the processed target's (each row processed as mlx-lm's generate_step
-    does: after the prompt and every token before it)."""
+    does: after the prompt and every token before it). `logit_scale`: its drafts' logits (the others 0): the
+    default makes it sure of them, a small one unsure (2.6: the draft at probability 0.05 of 256). `wrong_every`:
+    all its drafts wrong after every anchor whose position in the output is a multiple of it."""
 
     def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None,
-                 right_for: int | None = None, right_between: tuple[int, int] | None = None, processors=()):
+                 right_for: int | None = None, right_between: tuple[int, int] | None = None, processors=(),
+                 logit_scale: float = 30.0, wrong_every: int | None = None):
         super().__init__(config)
+        self.logit_scale, self.wrong_every = logit_scale, wrong_every
         self.processors = list(processors)
         self.prompt_len, self.right_for, self.right_between = len(prompt), right_for, right_between
         self.mirror = Target(copy_model(model), config.target_layer_ids)
@@ -205,11 +209,13 @@ class OracleDrafter(DFlashDraftModel):
             cut = 0  # its acceptance collapses: every draft wrong from here on
         if self.right_between is not None and not self.right_between[0] <= produced < self.right_between[1]:
             cut = 0  # right only inside a stretch (text copied from the prompt, a repetition loop)
+        if self.wrong_every is not None and produced % self.wrong_every == 0:
+            cut = 0
         if cut is not None:
             proposal = proposal[:cut] + [(t + 1) % self.vocab for t in proposal[cut:]]
         self.pending = (anchor, greedy)
         self.calls += 1
-        return mx.zeros((B - 1, self.config.hidden_size)), mx.eye(self.vocab)[mx.array(proposal)] * 30.0
+        return mx.zeros((B - 1, self.config.hidden_size)), mx.eye(self.vocab)[mx.array(proposal)] * self.logit_scale
 
     def greedy(self, seq: list[int], n: int) -> list[int]:
         """The mirror target's greedy continuation of `seq`, n tokens."""
@@ -224,11 +230,11 @@ class OracleDrafter(DFlashDraftModel):
 
 
 def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None, right_between=None,
-                processors=()) -> OracleDrafter:
+                processors=(), logit_scale=30.0, wrong_every=None) -> OracleDrafter:
     from dflash2_mlx.loading import bind_drafter
 
     oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for,
-                           right_between, processors)
+                           right_between, processors, logit_scale, wrong_every)
     bind_drafter(oracle, model)
     return oracle
 

@@ -52,21 +52,41 @@ def test_each_cycle_verifies_the_drafts_its_confidences_pay_for_and_learns_how_f
     policy = AdaptiveBlocks(COSTS, 8)
     plain_rate = 1 / (COSTS.verify_s[0] + COSTS.draft_s[-1] / policy.run)  # a plain step and its share of a probe
 
-    def by_hand(confidence, top=8):
+    def by_hand(confidence, top=8):  # n = 0: no draft verified, the cycle a plain step after the drafter pass
         gain = {n + 1: brute_force_expected(confidence[:n], n + 1) - plain_rate * COSTS.passes_s(n + 1, 8)
-                for n in range(1, top)}
+                for n in range(0, top)}
         return max(gain, key=gain.get)
 
-    sure, unsure, mixed = [0.95] * 7, [0.1] * 7, [0.9, 0.9, 0.9, 0.05, 0.9, 0.9, 0.9]
-    chosen = [policy.verified_block(5, mx.array(c), None) for c in (sure, unsure, mixed)]
-    assert chosen == [by_hand(c) for c in (sure, unsure, mixed)] and len(set(chosen)) == 3  # 8, 2 and 4 (up to the unsure row)
+    sure, lukewarm, unsure, mixed = [0.95] * 7, [0.3] * 7, [0.1] * 7, [0.9, 0.9, 0.9, 0.05, 0.9, 0.9, 0.9]
+    chosen = [policy.verified_block(5, mx.array(c), None) for c in (sure, lukewarm, unsure, mixed)]
+    # 8, 2, 1 (not even the first draft pays for its place in the verify) and 4 (up to the unsure row)
+    assert chosen == [by_hand(c) for c in (sure, lukewarm, unsure, mixed)] and len(set(chosen)) == 4
     assert policy.verified_block(5, mx.array(sure), left=4) == by_hand(sure, top=4) == 4  # never past max_tokens
     assert policy.verified_block(5, mx.array([float("nan")] + sure[1:]), None) == 2  # nothing to accept
     assert policy.verified_block(5, None, None) == FixedBlocks(5).verified_block(5, mx.array(sure), None) == 5
-    # a drafter sure of drafts that are never accepted: after a few cycles its confidence is discounted
-    for _ in range(12):
-        policy.observe_cycle(policy.verified_block(2, mx.array(sure), None), 0, 0.1)
-    assert policy.verified_block(2, mx.array(sure), None) == 2
+    # a drafter sure of drafts that are never accepted: after a few cycles its confidence is discounted, until
+    # its drafts are not worth verifying at all
+    for _ in range(16):
+        if policy.verified_block(2, mx.array(sure), None) == 1:
+            policy.observe_unverified(0.0, 0.1)
+        else:
+            policy.observe_cycle(2, 0, 0.1)
+    assert policy.verified_block(2, mx.array(sure), None) == 1
+
+
+def test_a_draft_left_unverified_is_scored_by_the_token_committed_and_counts_as_if_verified():
+    """By hand, from empty counts (no card): the first position's estimate and the confidences' calibration move
+    as a verified first draft's would, accepted or not; later positions and the turn rule are not touched."""
+    for first in (1.0, 0.0):
+        policy = AdaptiveBlocks(COSTS, 8)
+        assert policy.verified_block(8, mx.array([0.04] * 7), None) == 1
+        policy.observe_unverified(first, 0.1)
+        assert policy.seen == [1.0] + [0.0] * 6 and policy.hits == [first] + [0.0] * 6  # no calibration measured yet
+        assert policy.acceptance()[0] == pytest.approx((first + 0.5) / 2)  # shrunk toward 1/2 by one observation
+        assert policy.recent_hits[0] == first and policy.recent_seen[0] == 1.0
+        assert policy.confident_hits[0] == pytest.approx(0.95 * 2 + first)
+        assert policy.confident_sum[0] == pytest.approx(0.95 * 2 + 0.04) and policy.calibrated_n[0] == 1.0
+        assert policy.confident_sum[1:] == [2.0] * 6 and policy.cycles == 1 and policy.shortfall == 1.0
 
 
 def test_estimates_start_from_the_card_or_neutral_and_shrink_toward_the_previous_position():
@@ -178,7 +198,10 @@ def misses_after_a_perfect_record(missed_on: list[float] | None = None, **kw) ->
     misses = 0
     while (B := policy.next_block(None)) > 1 and misses < 100:
         B = policy.verified_block(B, None if missed_on is None else mx.array(missed_on), None)
-        policy.observe_cycle(B, 0, COSTS.passes_s(B))
+        if B == 1:  # not even the first draft worth verifying: scored by the token committed
+            policy.observe_unverified(0.0, COSTS.passes_s(1, 8))
+        else:
+            policy.observe_cycle(B, 0, COSTS.passes_s(B))
         misses += 1
     return misses
 
@@ -203,11 +226,13 @@ def test_a_verified_draft_counts_its_outcome_blended_with_its_calibrated_confide
 
 def test_misses_the_drafter_saw_coming_are_no_turn():
     """A drafter right every time, then missing: where its rows were sure of the misses it has turned (as
-    without confidences); where they were unsure (its first draft's row at 0.05), it said so itself, and the
-    long memory decides as if no turn were ever detected."""
-    sure, unsure = [0.95] * 7, [0.05] + [0.95] * 6
+    without confidences); where they were unsure (its first draft's row at 0.2: verified, seldom accepted), it
+    said so itself, and the long memory decides as if no turn were ever detected; so too where they were too
+    unsure to verify (0.05: the misses are the unverified drafts' scores)."""
+    sure = [0.95] * 7
     assert misses_after_a_perfect_record(sure) == misses_after_a_perfect_record() <= 3
-    assert misses_after_a_perfect_record(unsure) == misses_after_a_perfect_record(unsure, turn_p=0.0) > 3 + 1
+    for unsure in ([0.2] + sure[1:], [0.05] + sure[1:]):
+        assert misses_after_a_perfect_record(unsure) == misses_after_a_perfect_record(unsure, turn_p=0.0) > 3 + 1
 
 
 def test_evidence_of_an_accepting_drafter_reaches_the_largest_block_within_three_cycles():
@@ -320,8 +345,11 @@ def decide_on(monkeypatch, costs: CostModel) -> None:
     and would make the decisions depend on this machine's load)."""
     monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: costs)
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
+    unverified = AdaptiveBlocks.observe_unverified
     monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
                         lambda self, B, a, s: cycle(self, B, a, costs.passes_s(B, self.drafted_block(B))))
+    monkeypatch.setattr(AdaptiveBlocks, "observe_unverified",
+                        lambda self, first, s: unverified(self, first, costs.passes_s(1, self.block_max)))
     monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0]))
 
 
@@ -356,6 +384,33 @@ def test_the_oracle_gets_the_largest_block_within_three_cycles(tokenizer, measur
     cycles = [b for b in blocks if b > 1]
     assert 8 in cycles[:3] and cycles[cycles.index(8):] == [8] * len(cycles[cycles.index(8):])
     assert len(cycles) >= 8 and all(r.accepted == r.block_size - 1 for r in records[1:-1] if r.block_size > 1)
+
+
+def test_an_unsure_drafter_that_is_always_right_goes_unverified_until_its_confidence_is_trusted(
+        tokenizer, measured, monkeypatch):
+    """An oracle whose rows give its drafts probability 0.05 (a first draft's place in the verify costs more than
+    that buys): its first drafts go unverified, each scored by the token the cycle commits; right every time, its
+    calibrated confidence rises until they are worth verifying, and then they are accepted. Greedy-identical
+    throughout. A score that never credited an unverified draft would leave them all unverified."""
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    plain, _, _ = run(model, tokenizer, prompt, max_tokens=60, eos_token_ids=[])
+    chosen = []
+
+    class Recorded(AdaptiveBlocks):
+        def verified_block(self, B, confidence, left):
+            chosen.append(super().verified_block(B, confidence, left))
+            return chosen[-1]
+
+    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: Recorded(COSTS, B))
+    oracle = make_oracle(model, prompt, block_size=8, logit_scale=2.6)
+    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle, verify_mode="adaptive",
+                                                   max_tokens=60, eos_token_ids=[]))
+    assert [t for r in records for t in r.tokens] == plain
+    trusted = next((i for i, B in enumerate(chosen) if B > 1), len(chosen))
+    assert 3 <= trusted <= 10 and chosen[:trusted] == [1] * trusted, chosen
+    cycles = [r for r in records[:-1] if r.block_size is not None and r.block_size > 1]
+    assert len(cycles) >= 5 and all(r.accepted == r.block_size - 1 for r in cycles)
 
 
 def test_a_drafter_right_only_inside_a_stretch_drafts_there_and_not_outside(tokenizer, measured):

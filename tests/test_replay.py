@@ -69,18 +69,26 @@ class Logged(AdaptiveBlocks):
         self.log.append(("observe_cycle", B, accepted))
         super().observe_cycle(B, accepted, seconds)
 
+    def observe_unverified(self, first, seconds):
+        self.log.append(("observe_unverified", first))
+        super().observe_unverified(first, seconds)
 
-def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch):
+
+@pytest.mark.parametrize("logit_scale, wrong_every", [(30.0, None), (2.6, 3)])
+def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_scale, wrong_every):
     """A drafter right only inside a stretch, every cycle and plain step timed at exact costs: the real loop and
     the replay on the recorded drafts make the same calls on the policy, in the same order, with the same
-    arguments and answers, and commit the same tokens the same way."""
+    arguments and answers, and commit the same tokens the same way. Sure of its drafts, or so unsure that many
+    go unverified (each scored by the token its cycle commits), and inside the stretch wrong after every third
+    token."""
     decide_on(monkeypatch, COSTS)
     policies = []
     monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: policies.append(
         Logged(COSTS, B)) or policies[-1])
     model = make_target("llama", seed=7)
     prompt = prompts(1, seed=6)[0]
-    oracle = lambda: make_oracle(model, prompt, block_size=8, right_between=(40, 90))  # noqa: E731
+    oracle = lambda: make_oracle(model, prompt, block_size=8, right_between=(40, 90),  # noqa: E731
+                                 wrong_every=wrong_every, logit_scale=logit_scale)
     records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle(), verify_mode="adaptive",
                                                    max_tokens=140, eos_token_ids=[]))
     drafter = oracle()
@@ -95,6 +103,9 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch):
     assert len(cycles) >= 5 and out.plain_steps >= 40  # both kinds of decision were made
     assert out.probes == sum(r.shadow is not None for r in records)
     assert any(c[0] == "drafting_wins" and c[2] for c in policy.log)  # a run cut short by its probe
+    unverified = [c[1] for c in policy.log if c[0] == "observe_unverified"]
+    # unsure: drafts left unverified, scored both ways (missed outside the stretch, right inside it); sure: none
+    assert {0.0, 1.0} <= set(unverified) if logit_scale < 30 else not unverified
 
 
 def test_perturbed_curves_stay_within_3_percent_of_the_measured_one_and_monotone():

@@ -178,6 +178,27 @@ def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair)
     assert min(verified.count(2), verified.count(3)) > N // 10, Counter(verified)  # both, often
 
 
+def test_adaptive_sampling_follows_mlx_lm_where_drafts_go_unverified(pair):
+    """A drafter of milder opinions (its rows' confidences near 0.6), a first draft that costs half a step to
+    verify and a second that costs a tenth: cycles verify none of their drafts (a plain step after the drafter
+    pass, `AdaptiveBlocks.verified_block`) or both, as the confidences and the drafts left say. The committed
+    tokens stay mlx-lm's distribution."""
+    model, _, _ = pair
+    drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=0.18)
+    params, verified = SETTINGS["t0.7-topp0.9"], []
+
+    class Recorded(AdaptiveBlocks):
+        def verified_block(self, B, confidence, left):
+            verified.append(super().verified_block(B, confidence, left))
+            return verified[-1]
+
+    costs = CostModel([1.0, 1.5, 1.6, 2.1], [0.1] * 3)
+    blocks = lambda: Recorded(costs, 4, prior=[0.95] * 3, timing_steps=0)  # noqa: E731  (a card that says: draft)
+    counts = sample_sequences(bind_drafter(drafter, model), drafter, params, seed=9, blocks=blocks)
+    assert_follows_mlx_lm(model, counts, params)
+    assert min(verified.count(1), len(verified) - verified.count(1)) > N // 10, Counter(verified)  # both, often
+
+
 def test_plain_sampling_follows_mlx_lm(pair):
     model, _, _ = pair
     params = SETTINGS["t0.7-topp0.9"]
