@@ -9,7 +9,8 @@ bought by plain decoding. That needs two numbers per block size B on this machin
 - its yield: 1 + sum over i of P(drafts 1..i all accepted), from running per-position acceptance
   estimates (exponentially decayed, so a drafter that stops being right is noticed within a few cycles).
 
-`AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps. The
+`AdaptiveBlocks` picks the B with the most committed tokens per second, B = 1 meaning plain steps, and
+while drafting drafts on as long as its cycles' own confidences say they gain on plain steps. The
 estimates start from the drafter card's held-out acceptance by position (neutral without a card). While
 plain steps win it runs them block_max at a time, each run after a shadow probe: one drafter pass (a fifth
 of a target step or less), whose drafts are scored against the tokens the run then commits (the run ends
@@ -199,6 +200,11 @@ def forget_costs(target, drafter, block_max: int) -> None:
 # A drafter's confidences start as if calibrated, worth this many verified drafts per position.
 CALIBRATION_PRIOR = 2.0
 
+# A timing run's plain steps (see AdaptiveBlocks): the first waits for the cycle before it, the two after it are
+# timed. Each step of it, where drafting pays, is a step not drafted: on the kept answers a run of 8 cost a drafting
+# answer 1-4%, a run of 3 a third of that.
+TIMING_STEPS = 3
+
 # Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the
 # measurement no longer describes the machine (made while it was busy, or before an upgrade).
 STALE_RATIO = 2.0
@@ -250,6 +256,15 @@ class AdaptiveBlocks:
     `verified_block`, expected less than the long memory), its chance is taken on them: a miss the drafter
     saw coming is no sign of a turn.
 
+    The estimates average over cycles; a cycle is worth more than that average says, since it verifies only as
+    many drafts as its own confidences pay for, none where even the first is not worth it (`verified_block`). So
+    while drafting, drafting also goes on as long as the expected gains over plain steps (committed tokens beyond
+    what plain steps commit in the same time, at the best choice on the calibrated confidences) of the cycles and
+    of the shadow probes' blocks average above zero (`gain`, decayed by `gain_decay` per drafter pass, forgotten
+    at a turn): a drafter right now and then, and sure of it when it is, drafts on where the averaged estimates
+    would run plain steps, each unsure cycle costing a drafter pass. The probes' blocks count so that the gains
+    sample plain stretches too, not only the cycles the estimates chose to draft.
+
     A position a cycle verified counts its outcome blended with its calibrated confidence, up to
     `confidence_weight` of the latter: a 0 or 1 says little about a probability, the drafter's own
     confidence much more (the bundled drafter's first draft is accepted 7% of the time where its row's top
@@ -269,7 +284,7 @@ class AdaptiveBlocks:
     is 2-3% of the time on a CPU, one per 24 under 1%, while a stretch where it pays (a passage copied from the
     prompt) is still found within a run or two. Positions past a probe's first
     rejection count with weight `past_rejection` (a cycle never sees them). `timing_steps`: a plain run of
-    that many steps (default: one shadow run; 0: none) after `timing_after` cycles (default 2 x block_max)
+    that many steps (default TIMING_STEPS; 0: none) after `timing_after` cycles (default 2 x block_max)
     where no plain step has been timed yet: it times plain steps on this generation's clock, so that the cost
     curve's shape (cycles against plain steps) is corrected online even where drafting wins from the start
     and no plain step would otherwise be timed. Taken after the cycles, not before them, it costs a short
@@ -279,12 +294,12 @@ class AdaptiveBlocks:
                  prior_weight: float = 3.0, decay: float = 0.8, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
                  shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None,
-                 calibration_decay: float = 0.95, confidence_weight: float = 0.5):
+                 calibration_decay: float = 0.95, confidence_weight: float = 0.5, gain_decay: float = 0.95):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
         self.past_rejection, self.shadow_run = past_rejection, shadow_run or block_max
-        self.timing_steps = self.shadow_run if timing_steps is None else timing_steps
+        self.timing_steps = TIMING_STEPS if timing_steps is None else timing_steps
         self.timing_after = 2 * block_max if timing_after is None else timing_after
         self.turn_p, self.shortfall, self.reference = turn_p, 1.0, None  # see observe_cycle
         self.cycles = 0  # cycles so far (the timing run is due after timing_after of them)
@@ -297,6 +312,9 @@ class AdaptiveBlocks:
         self.seen = [prior_weight] * len(prior) + [0.0] * (n - len(prior))  # ... and reached
         self.recent_hits, self.recent_seen, self.recent_decay = list(self.hits), list(self.seen), recent_decay
         self.drafting = False  # the last choice: drafting (True) or plain steps
+        # the cycles' expected gains over plain steps (committed tokens, see `verified_block`): their sum and their
+        # count, each decayed by `gain_decay` per cycle (`gain`: their mean); none counted after a turn
+        self.gain_sum, self.gain_n, self.gain_decay = 0.0, 0.0, gain_decay
         # observed / measured seconds (the loop's own work, a longer context, a busy machine); None until seen
         self.scale_draft: float | None = None
         self.scale_plain: float | None = None
@@ -321,6 +339,12 @@ class AdaptiveBlocks:
             previous = (h + shrink * previous) / (s + shrink)
             estimates.append(previous)
         return estimates
+
+    @property
+    def gain(self) -> float | None:
+        """The cycles' mean expected gain over plain steps, in committed tokens per cycle (decayed; None: none
+        counted since the start or the last turn)."""
+        return self.gain_sum / self.gain_n if self.gain_n else None
 
     def decisive(self) -> list[float]:
         """The estimates a choice is made on: drafting, the long memory's (which a turn resets, see
@@ -375,6 +399,8 @@ class AdaptiveBlocks:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
+        if B == 1 and self.drafting and self.gain is not None and self.gain > 0:  # the cycles gain: draft on
+            B = max((b for b in rates if b > 1), key=rates.get)
         self.run = min(2 * self.run, self.shadow_max) if B == 1 and not self.drafting else self.shadow_run
         self.drafting = B > 1
         return B
@@ -417,6 +443,13 @@ class AdaptiveBlocks:
         if not all(math.isfinite(c) for c in rows):  # non-finite drafts accept nothing: verify the fewest
             return 2
         self.confidence = rows
+        best, gain = self._best(rows)
+        self._count_gain(gain)
+        return best
+
+    def _best(self, rows: Sequence[float]) -> tuple[int, float]:
+        """(the block to verify, its expected gain over plain steps in committed tokens) for drafts whose rows have
+        these confidences (`verified_block`)."""
         plain_rate = 1.0 / self.seconds(1)
         best, best_gain, expected, reach = 1, 1.0 - plain_rate * self.cycle_seconds(1), 1.0, 1.0
         for n, p in enumerate(self.calibrated(rows), start=1):
@@ -425,7 +458,15 @@ class AdaptiveBlocks:
             gain = expected - plain_rate * self.cycle_seconds(n + 1)
             if gain > best_gain:
                 best, best_gain = n + 1, gain
-        return best
+        return best, best_gain
+
+    def _count_gain(self, gain: float) -> None:
+        """Count a drafter pass's expected gain (`_best`) among the cycles' (see `gain`): once a first draft has
+        measured the calibration it rests on, so that a drafter sure of wrong drafts from the start is not taken at
+        its word for long."""
+        if self.calibrated_n[0] >= 1.0:
+            self.gain_sum = self.gain_decay * self.gain_sum + gain
+            self.gain_n = self.gain_decay * self.gain_n + 1.0
 
     def calibrated(self, confidence: Sequence[float]) -> list[float]:
         """Per draft position, P(accepted | the drafts before it accepted) that a row's confidence says, scaled by
@@ -463,7 +504,7 @@ class AdaptiveBlocks:
             self._calibrate(outcomes)
         if self.shortfall < self.turn_p:  # a turn: the older evidence describes another text
             self.hits, self.seen = list(self.recent_hits), list(self.recent_seen)
-            self.shortfall, self.reference = 1.0, None
+            self.shortfall, self.reference, self.gain_sum, self.gain_n = 1.0, None, 0.0, 0.0
             for i, (hits, total) in self.shortfall_calibration.items():  # and the confidences as far as they held
                 self.confident_hits[i], self.confident_sum[i], self.calibrated_n[i] = hits, total, 0.0
         self._time_cycle(B, seconds)
@@ -507,10 +548,15 @@ class AdaptiveBlocks:
                 self.shortfall_calibration[i] = (hits + hit, total + confidence)
         self.confidence = None
 
-    def observe_shadow(self, chain: Sequence[float], single: Sequence[float]) -> None:
+    def observe_shadow(self, chain: Sequence[float], single: Sequence[float],
+                       confidence: Sequence[float] | None = None) -> None:
         """A shadow probe's score (`sampling.draft_acceptance`): chain[i] = P(drafts 1..i+1 accepted),
         single[i] = position i+1's acceptance on its own. Position i is reached with P(chain[i-1]), where it
-        counts in full; past a rejection it counts with weight `past_rejection`."""
+        counts in full; past a rejection it counts with weight `past_rejection`. `confidence`: its rows'
+        (`Proposal.confidence`): what a cycle drafting there expected to gain counts among the cycles' gains, so
+        the gains sample plain stretches too, not only the cycles that the estimates chose to draft."""
+        if confidence is not None and all(math.isfinite(c) for c in confidence):
+            self._count_gain(self._best(confidence)[1])
         reach = 1.0
         for i, (c, a) in enumerate(zip(chain, single)):
             beyond = self.past_rejection * (1 - reach)

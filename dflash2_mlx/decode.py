@@ -124,7 +124,7 @@ def dflash_steps(
                         step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
                         if i == scored - 1:  # every draft matched: the probe's score, read with this token
                             chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
-                            blocks.observe_shadow(chain, single)
+                            blocks.observe_shadow(chain, single, shadow.confidence.tolist())
                             step = step._replace(shadow=chain)
                         yield state.commit(step, pending)
                         if timed_from is None:  # steady steps are timed from the first one read (it waited for a cycle)

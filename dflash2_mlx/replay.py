@@ -121,7 +121,9 @@ def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
                     out.tokens, out.plain_steps, out.seconds = out.tokens + 1, out.plain_steps + 1, out.seconds + step_s
                     if i == scored - 1:
                         single = trace.matches(produced - 1, policy.block_max, scored)
-                        policy.observe_shadow([float(all(single[: k + 1])) for k in range(scored)], single)
+                        rows = trace.confidences(produced - 1, policy.block_max)
+                        policy.observe_shadow([float(all(single[: k + 1])) for k in range(scored)], single,
+                                              None if rows is None else rows.tolist())
                     if out.tokens >= n:  # the loop's caller stops reading here
                         return out
                     timed = 0 if timed is None else timed + 1

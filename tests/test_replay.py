@@ -57,9 +57,9 @@ class Logged(AdaptiveBlocks):
         self.log.append(("verified_block", B, left, super().verified_block(B, confidence, left)))
         return self.log[-1][-1]
 
-    def observe_shadow(self, chain, single):
-        self.log.append(("observe_shadow", list(chain), list(single)))
-        super().observe_shadow(chain, single)
+    def observe_shadow(self, chain, single, confidence=None):
+        self.log.append(("observe_shadow", list(chain), list(single), confidence))
+        super().observe_shadow(chain, single, confidence)
 
     def observe_plain(self, steps, seconds, probes=0):
         self.log.append(("observe_plain", steps, probes))
