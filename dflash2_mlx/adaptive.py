@@ -201,8 +201,8 @@ def forget_costs(target, drafter, block_max: int) -> None:
 CALIBRATION_PRIOR = 2.0
 
 # A timing run's plain steps (see AdaptiveBlocks): the first waits for the cycle before it, the two after it are
-# timed. Each step of it, where drafting pays, is a step not drafted: on the kept answers a run of 8 cost a drafting
-# answer 1-4%, a run of 3 a third of that.
+# timed. Each step of it, where drafting pays, is a step not drafted: on the kept chat answers a run of 8 cost 1-4%
+# of the mean (`runs/README.md`), a run of 3 half of that.
 TIMING_STEPS = 3
 
 # Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the
@@ -312,8 +312,8 @@ class AdaptiveBlocks:
         self.seen = [prior_weight] * len(prior) + [0.0] * (n - len(prior))  # ... and reached
         self.recent_hits, self.recent_seen, self.recent_decay = list(self.hits), list(self.seen), recent_decay
         self.drafting = False  # the last choice: drafting (True) or plain steps
-        # the cycles' expected gains over plain steps (committed tokens, see `verified_block`): their sum and their
-        # count, each decayed by `gain_decay` per cycle (`gain`: their mean); none counted after a turn
+        # the drafter passes' expected gains over plain steps (committed tokens, `_best`; cycles' and probes'): their
+        # sum and their count, each decayed by `gain_decay` per pass (`gain`: their mean); none counted after a turn
         self.gain_sum, self.gain_n, self.gain_decay = 0.0, 0.0, gain_decay
         # observed / measured seconds (the loop's own work, a longer context, a busy machine); None until seen
         self.scale_draft: float | None = None
@@ -342,8 +342,8 @@ class AdaptiveBlocks:
 
     @property
     def gain(self) -> float | None:
-        """The cycles' mean expected gain over plain steps, in committed tokens per cycle (decayed; None: none
-        counted since the start or the last turn)."""
+        """The mean expected gain over plain steps of a cycle drafting where the last cycles and probes drafted, in
+        committed tokens per cycle (decayed; None: none counted since the start or the last turn)."""
         return self.gain_sum / self.gain_n if self.gain_n else None
 
     def decisive(self) -> list[float]:
