@@ -399,7 +399,7 @@ class AdaptiveBlocks:
             return 1
         rates = self.rates(top)
         B = max(rates, key=rates.get)
-        if B == 1 and self.drafting and self.gain is not None and self.gain > 0:  # the cycles gain: draft on
+        if B == 1 and self.drafting and (self.gain or 0.0) > 0:  # the cycles gain: draft on
             B = max((b for b in rates if b > 1), key=rates.get)
         self.run = min(2 * self.run, self.shadow_max) if B == 1 and not self.drafting else self.shadow_run
         self.drafting = B > 1
