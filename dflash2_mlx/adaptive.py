@@ -205,6 +205,12 @@ CALIBRATION_PRIOR = 2.0
 # of the mean (`runs/README.md`), a run of 3 half of that.
 TIMING_STEPS = 3
 
+# While running plain steps, a cycle's cost above a plain step counts at this share of it (see AdaptiveBlocks): on the
+# 24 kept answers replayed on four cost curves (`runs/README.md`), 0.85 lowered no curve's mean by more than 0.2% and
+# raised that of the one dearest at two tokens (1.26 plain steps) by 1.7% (long) and 1.9% (chat), where the averaged
+# estimates put drafting just under plain steps; 0.75-0.9 read alike.
+ENTRY_DISCOUNT = 0.85
+
 # Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the
 # measurement no longer describes the machine (made while it was busy, or before an upgrade).
 STALE_RATIO = 2.0
@@ -263,7 +269,11 @@ class AdaptiveBlocks:
     of the shadow probes' blocks average above zero (`gain`, decayed by `gain_decay` per drafter pass, forgotten
     at a turn): a drafter right now and then, and sure of it when it is, drafts on where the averaged estimates
     would run plain steps, each unsure cycle costing a drafter pass. The probes' blocks count so that the gains
-    sample plain stretches too, not only the cycles the estimates chose to draft.
+    sample plain stretches too, not only the cycles the estimates chose to draft. For the same reason the way
+    in is priced lower than the estimates price a cycle: while running plain steps, a cycle's cost above a plain
+    step (its drafter pass and the verify's extra tokens) counts at `entry_discount` of it, so drafting is tried
+    where the averaged estimates put it a little under plain steps. Trying costs little: the cycle's own
+    confidences decide how much it verifies, and its gains whether drafting goes on.
 
     A position a cycle verified counts its outcome blended with its calibrated confidence, up to
     `confidence_weight` of the latter: a 0 or 1 says little about a probability, the drafter's own
@@ -294,7 +304,8 @@ class AdaptiveBlocks:
                  prior_weight: float = 3.0, decay: float = 0.8, recent_decay: float = 0.3, shrink: float = 1.0,
                  past_rejection: float = 0.25, shadow_run: int | None = None, timing_steps: int | None = None,
                  shadow_max: int | None = None, turn_p: float = 0.03, timing_after: int | None = None,
-                 calibration_decay: float = 0.95, confidence_weight: float = 0.5, gain_decay: float = 0.95):
+                 calibration_decay: float = 0.95, confidence_weight: float = 0.5, gain_decay: float = 0.95,
+                 entry_discount: float = ENTRY_DISCOUNT):
         if block_max > costs.block_max:
             raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {block_max}")
         self.costs, self.block_max, self.decay, self.shrink = costs, block_max, decay, shrink
@@ -315,6 +326,7 @@ class AdaptiveBlocks:
         # the drafter passes' expected gains over plain steps (committed tokens, `_best`; cycles' and probes'): their
         # sum and their count, each decayed by `gain_decay` per pass (`gain`: their mean); none counted after a turn
         self.gain_sum, self.gain_n, self.gain_decay = 0.0, 0.0, gain_decay
+        self.entry_discount = entry_discount  # while running plain steps: a cycle's cost above a plain step
         # observed / measured seconds (the loop's own work, a longer context, a busy machine); None until seen
         self.scale_draft: float | None = None
         self.scale_plain: float | None = None
@@ -362,13 +374,18 @@ class AdaptiveBlocks:
             total += run
         return total
 
-    def seconds(self, B: int) -> float:
+    def seconds(self, B: int, entering: bool = False) -> float:
         """Expected seconds of a cycle at B (B = 1: a plain step with its share of a shadow probe): the
         measured passes, scaled as observed (by the other kind's scale until one of this kind is seen, so the
-        two stay comparable)."""
+        two stay comparable). `entering` (deciding while running plain steps): a cycle's cost above a plain step
+        counts at `entry_discount` of it."""
         if B == 1:
             return (self.costs.passes_s(1) + self.probe_s / self.run) * self._scale(self.scale_plain, self.scale_draft)
-        return self.cycle_seconds(B)
+        cycle = self.cycle_seconds(B)
+        if not entering:
+            return cycle
+        plain = self.costs.passes_s(1) * self._scale(self.scale_draft, self.scale_plain)  # on the cycles' clock
+        return plain + self.entry_discount * (cycle - plain)
 
     def cycle_seconds(self, B: int) -> float:
         """Expected seconds of a drafting cycle verifying B tokens: the anchor and B - 1 drafts (B = 1: none, a
@@ -379,10 +396,11 @@ class AdaptiveBlocks:
     def _scale(own: float | None, other: float | None) -> float:
         return own if own is not None else other if other is not None else 1.0
 
-    def rates(self, top: int) -> dict[int, float]:
-        """Expected committed tokens per second at each block size 1..top, on the decisive estimates."""
+    def rates(self, top: int, entering: bool = False) -> dict[int, float]:
+        """Expected committed tokens per second at each block size 1..top, on the decisive estimates (`entering`:
+        a cycle priced as while running plain steps, see `seconds`)."""
         acceptance = self.decisive()
-        return {B: self.expected_tokens(B, acceptance) / self.seconds(B) for B in range(1, top + 1)}
+        return {B: self.expected_tokens(B, acceptance) / self.seconds(B, entering) for B in range(1, top + 1)}
 
     @staticmethod
     def drafting_vs_plain(rates: dict[int, float]) -> float:
@@ -397,7 +415,7 @@ class AdaptiveBlocks:
         top = self._top(left)
         if top == 1 or self._timing_due():
             return 1
-        rates = self.rates(top)
+        rates = self.rates(top, entering=not self.drafting)
         B = max(rates, key=rates.get)
         if B == 1 and self.drafting and (self.gain or 0.0) > 0:  # the cycles gain: draft on
             B = max((b for b in rates if b > 1), key=rates.get)
@@ -477,7 +495,7 @@ class AdaptiveBlocks:
         """Whether a cycle now beats plain steps on the estimates a choice is made on: a plain run whose probe
         says so (its score is read once the probe's drafts are matched) ends there."""
         top = self._top(left)
-        return top > 1 and self.drafting_vs_plain(self.rates(top)) > 1
+        return top > 1 and self.drafting_vs_plain(self.rates(top, entering=True)) > 1
 
     def plain_run(self, left: int | None) -> int:
         """Plain steps to take (the first of them after a shadow probe) before the next choice."""

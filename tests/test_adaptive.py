@@ -175,8 +175,9 @@ def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
     """The long memory decides while drafting: a drafter whose first draft is right about half the time (and
     the drafts after it mostly, which pays) misses twice in a row, three times over, and drafts on; one right
     every time that misses two or three times in a row (under a 3% chance on its record) has turned, and the
-    recent memory takes over: plain steps."""
-    half = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    recent memory takes over: plain steps. (The script's outcomes fit the blocks chosen at undiscounted prices: at
+    the entry discount its first cycle verifies 4, accepts all three, and the record that follows reads as a turn.)"""
+    half = AdaptiveBlocks(COSTS, 8, timing_steps=0, entry_discount=1.0)
     for a in [4, 0, 5, 3, 0, 0, 6, 4, 0, 0, 5, 0, 0]:
         B = half.next_block(None)
         assert B > 1
@@ -318,6 +319,37 @@ def test_a_cycles_gain_counts_once_the_calibration_is_measured():
     calibrated = [0.95 * (2 * 0.95 + 1) / (2 * 0.95 + 0.95)] * 7  # one accepted draft at 0.95 over the prior's two
     gains = [brute_force_expected(calibrated, n) - plain_rate * COSTS.passes_s(n, 8) for n in range(1, 9)]
     assert policy.verified_block(8, mx.array(sure), None) == 8 and policy.gain == pytest.approx(max(gains))
+
+
+def test_running_plain_steps_a_cycle_is_priced_at_the_entry_discount_above_a_plain_step():
+    """Estimates (the card's, weighted as 100 cycles) at which the best block commits under plain steps' rate on
+    COSTS, but over it once a cycle's cost above a plain step counts at the entry discount: running plain steps,
+    the policy drafts, at the block the discounted prices pick (and a probe with them ends its run); without the
+    discount (1.0) it runs plain steps, and so it does at estimates under plain steps' rate even discounted."""
+    discount = adaptive.ENTRY_DISCOUNT
+    plain_s = COSTS.verify_s[0] + COSTS.draft_s[-1] / 8  # a plain step and its share of a probe (a run of 8)
+
+    def by_hand(policy, discount):  # tokens per second over plain steps' at each block, from COSTS and the estimates
+        rates = {}
+        for B in range(2, 9):
+            cycle = COSTS.verify_s[B - 1] + COSTS.draft_s[-1]  # every cycle's drafter pass proposes a block of 8
+            price = COSTS.verify_s[0] + discount * (cycle - COSTS.verify_s[0])
+            rates[B] = brute_force_expected(policy.acceptance(), B) / price * plain_s
+        return rates
+
+    def policy(acceptance, discount=discount):
+        return AdaptiveBlocks(COSTS, 8, prior=[acceptance] * 7, prior_weight=100.0, timing_steps=0,
+                              entry_discount=discount)
+
+    near = policy(0.36)
+    discounted, undiscounted = by_hand(near, discount), by_hand(near, 1.0)
+    assert max(undiscounted.values()) < 1 < max(discounted.values())  # the premise
+    assert near.drafting_wins(None) and near.next_block(None) == max(discounted, key=discounted.get)
+    control = policy(0.36, discount=1.0)
+    assert not control.drafting_wins(None) and control.next_block(None) == 1
+    far = policy(0.25)
+    assert max(by_hand(far, discount).values()) < 1
+    assert not far.drafting_wins(None) and far.next_block(None) == 1
 
 
 def test_a_losing_drafter_gets_plain_runs_each_after_a_shadow_probe_and_comes_back_when_it_accepts():
