@@ -228,9 +228,10 @@ def test_a_verified_draft_counts_its_outcome_blended_with_its_calibrated_confide
 
 def test_misses_the_drafter_saw_coming_are_no_turn():
     """A drafter right every time, then missing: where its rows were sure of the misses it has turned (as
-    without confidences; the turn forgets its cycles' gains too, which would otherwise keep it drafting); where they were unsure (its first draft's row at 0.2: verified, seldom accepted), it
-    said so itself, and the long memory decides as if no turn were ever detected; so too where they were too
-    unsure to verify (0.05: the misses are the unverified drafts' scores)."""
+    without confidences; the turn forgets its cycles' gains too, which would otherwise keep it drafting); where
+    they were unsure (its first draft's row at 0.2: verified, seldom accepted), it said so itself, and the long
+    memory decides as if no turn were ever detected; so too where they were too unsure to verify (0.05: the
+    misses are the unverified drafts' scores)."""
     sure = [0.95] * 7
     assert misses_after_a_perfect_record(sure) == misses_after_a_perfect_record() <= 3
     for unsure in ([0.2] + sure[1:], [0.05] + sure[1:]):
