@@ -118,12 +118,16 @@ def dflash_steps(
                     scored = min(run, shadow.tokens.shape[0])  # the run's tokens the probe's drafts are matched with
                     for i in range(run):
                         anchor, row = ahead
-                        ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
                         drawn.append(anchor)
                         logits.append(row)
+                        if i == scored - 1:  # every draft matched: the probe's score, queued before the next step so
+                            # that reading it waits for this step only, and the choice it feeds overlaps the next
+                            score = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params)
+                            mx.async_eval(score)
+                        ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
                         step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
-                        if i == scored - 1:  # every draft matched: the probe's score, read with this token
-                            chain, single = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params).tolist()
+                        if i == scored - 1:
+                            chain, single = score.tolist()
                             blocks.observe_shadow(chain, single, shadow.confidence.tolist())
                             step = step._replace(shadow=chain)
                         yield state.commit(step, pending)
