@@ -673,6 +673,25 @@ def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(t
     assert AdaptiveBlocks.drafting_wins(policy, None)  # what an adaptive run would have cut at
 
 
+
+def test_a_probes_score_is_queued_before_the_next_plain_step(tokenizer, monkeypatch):
+    """Reading a probe's score waits for everything queued before it: queued after the next plain step, the read
+    waited for that step too and the device then idled while the host chose (the step that read the score took
+    ~1.2 plain steps). So the score of a run's 7th token is queued when 7 plain steps have been dispatched since
+    the prefill, not 8: runs of 8 (`ShadowBlocks`) put the scores at 7, 15, 23, ... dispatches."""
+    model = make_target("qwen3", seed=6)
+    prompt = prompts(1, seed=3)[0]
+    drafter = make_oracle(model, prompt, 8)
+    dispatched, at_score = [], []
+    step, score = decode._plain_step, decode.draft_acceptance
+    monkeypatch.setattr(decode, "_plain_step", lambda *a: dispatched.append(1) or step(*a))
+    monkeypatch.setattr(decode, "draft_acceptance", lambda *a: at_score.append(len(dispatched)) or score(*a))
+    policy = adaptive.ShadowBlocks(COSTS, 8, timing_steps=0)
+    steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
+                                                 SamplingParams(), policy, 60), 41)
+    assert [i for i, s in enumerate(steps) if s.shadow is not None] == [7, 15, 23, 31, 39]
+    assert at_score == [7, 15, 23, 31, 39]
+
 class RightOnlyFromFullBlocks:
     """Wraps an oracle drafter: right (the oracle's drafts) in blocks of its trained size, wrong in any smaller
     block, as a block-diffusion drafter drafts worse out of the block size it was trained at. Records the
