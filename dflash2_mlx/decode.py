@@ -120,13 +120,13 @@ def dflash_steps(
                         anchor, row = ahead
                         drawn.append(anchor)
                         logits.append(row)
-                        if i == scored - 1:  # every draft matched: the probe's score, queued before the next step so
-                            # that reading it waits for this step only, and the choice it feeds overlaps the next
+                        scoring = i == scored - 1  # every draft matched: the probe's score, read with this token
+                        if scoring:  # queued before the next step, so that reading it waits for this step only
                             score = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params)
                             mx.async_eval(score)
                         ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
                         step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
-                        if i == scored - 1:
+                        if scoring:
                             chain, single = score.tolist()
                             blocks.observe_shadow(chain, single, shadow.confidence.tolist())
                             step = step._replace(shadow=chain)
@@ -135,7 +135,7 @@ def dflash_steps(
                             timed_from = time.perf_counter()
                         else:
                             timed += 1
-                        if i == scored - 1 and i < run - 1 and blocks.drafting_wins(
+                        if scoring and i < run - 1 and blocks.drafting_wins(
                                 None if max_tokens is None else max_tokens - produced - i):
                             run = i + 1  # the probe says drafting pays now: the run ends here
                             break

@@ -673,7 +673,6 @@ def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(t
     assert AdaptiveBlocks.drafting_wins(policy, None)  # what an adaptive run would have cut at
 
 
-
 def test_a_probes_score_is_queued_before_the_next_plain_step(tokenizer, monkeypatch):
     """Reading a probe's score waits for everything queued before it: queued after the next plain step, the read
     waited for that step too and the device then idled while the host chose (the step that read the score took
@@ -691,6 +690,7 @@ def test_a_probes_score_is_queued_before_the_next_plain_step(tokenizer, monkeypa
                                                  SamplingParams(), policy, 60), 41)
     assert [i for i, s in enumerate(steps) if s.shadow is not None] == [7, 15, 23, 31, 39]
     assert at_score == [7, 15, 23, 31, 39]
+
 
 class RightOnlyFromFullBlocks:
     """Wraps an oracle drafter: right (the oracle's drafts) in blocks of its trained size, wrong in any smaller
