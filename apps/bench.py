@@ -341,6 +341,7 @@ def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict
                 "vs_best_trials": trial_range(runs, m.name, rivals, p),
                 "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
                 "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
+                "tokens": tokens / len(adaptive_runs),  # new tokens per run: under max_tokens where it ended at EOS
                 "fixed_tps": tps,
             })
     return rows

@@ -70,7 +70,7 @@ def render(report: dict, console=None) -> str:
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
-    md += render_per_prompt(report.get("per_prompt", []), console)
+    md += render_per_prompt(report.get("per_prompt", []), console, ctx["max_tokens"])
     for c in report.get("shadow_calibration", []):
         line = (f"shadow calibration {c['drafter']} T={c['temperature']:g} B={c['block_size']}: tau expected from "
                 f"{c['probes']} shadow probes{_probe_block(c)} {c['expected_tau']:.3f}, measured by fixed-block cycles "
@@ -111,14 +111,15 @@ def render(report: dict, console=None) -> str:
     return "\n".join(md) + "\n"
 
 
-def render_per_prompt(rows: list[dict], console) -> list[str]:
+def render_per_prompt(rows: list[dict], console, max_tokens: int | None = None) -> list[str]:
     """The per-prompt table (adaptive vs plain vs the best fixed block), its markdown lines. Each ratio carries
     its range over trials, and where mlx-lm ran, its ratio to plain decoding (the same work) says how far noise
-    alone moves a ratio on this run."""
+    alone moves a ratio on this run. The prompts whose answers ended before `max_tokens` are named: a ratio over
+    fewer tokens weighs the generation's start (prefill, first cycles) more, and is noisier."""
     if not rows:
         return []
     same = any(r.get("same_work_vs_plain") for r in rows)
-    columns = ["T", "prompt", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s", "plain %",
+    columns = ["T", "prompt", "tokens", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s", "plain %",
                "vs plain", "vs best"] + (["mlx-lm vs plain"] if same else [])
     table = Table(*columns, title="adaptive mode per prompt (tok/s over all trials)")
     md = ["", "adaptive mode per prompt (tok/s over all trials; vs best = against the faster of plain and the "
@@ -126,9 +127,10 @@ def render_per_prompt(rows: list[dict], console) -> list[str]:
           + ("; mlx-lm vs plain: the same forwards through two loops, i.e. how far noise alone moves a ratio"
              if same else "") + "):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        row = [f"{r['temperature']:g}", str(r["prompt"]), r["drafter"], f"{r['plain_tps']:.1f}",
-               r["best_fixed"] or "-", f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-",
-               f"{r['adaptive_tps']:.1f}", f"{r['plain_share']:.0%}",
+        row = [f"{r['temperature']:g}", str(r["prompt"]), _tokens(r.get("tokens")), r["drafter"],
+               f"{r['plain_tps']:.1f}", r["best_fixed"] or "-",
+               f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-", f"{r['adaptive_tps']:.1f}",
+               f"{r['plain_share']:.0%}",
                _ratio(r["vs_plain"], r.get("vs_plain_trials")), _ratio(r["vs_best"], r.get("vs_best_trials"))]
         row += [_ratio(r.get("same_work_vs_plain"), None)] if same else []
         table.add_row(*row)
@@ -145,7 +147,20 @@ def render_per_prompt(rows: list[dict], console) -> list[str]:
                      "differences inside that band are this run's noise")
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
+    short = [r for r in rows if max_tokens and r.get("tokens") is not None and r["tokens"] < max_tokens]
+    if short:
+        temps = len({r["temperature"] for r in rows}) > 1
+        line = f"answers shorter than --max-tokens {max_tokens} (they ended at EOS): " + ", ".join(
+            f"prompt {r['prompt']}" + (f" T={r['temperature']:g}" if temps else "") + f" {_tokens(r['tokens'])} tokens"
+            for r in short)
+        console.print(line, markup=False, highlight=False)
+        md.append(f"\n{line}")
     return md
+
+
+def _tokens(n: float | None) -> str:
+    """New tokens per run: whole at T = 0 (every trial's answer is the same), to one decimal where they vary."""
+    return "-" if n is None else f"{n:.0f}" if n == int(n) else f"{n:.1f}"
 
 
 def _ratio(value: float | None, trials: list[float] | None) -> str:

@@ -179,8 +179,16 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
 
     from dflash2_apps.bench_report import render_per_prompt
     md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200)))
-    assert "| 0 | 1 | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
+    assert "| 0 | 1 | 100 | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
     assert "mlx-lm vs plain (the same work) per prompt 0.95-1.05x" in md
+    assert "shorter than" not in md  # no max_tokens given: nothing to compare the answers' lengths with
+    assert "shorter than" not in "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200), 100))
+    table["d adaptive"][1][1] = Run([0] * 91, 9, 1.0, 0.1, 1.0)  # prompt 2 ends at EOS after 91 tokens in trial 2
+    rows = per_prompt_rows([same, plain, adaptive, b3], table, 0.0)
+    assert [r["tokens"] for r in rows] == [100, 95.5]
+    md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200), 100))
+    assert "| 0 | 2 | 95.5 | d |" in md
+    assert "answers shorter than --max-tokens 100 (they ended at EOS): prompt 2 95.5 tokens" in md
 
     table["plain"][1][0] = None  # a trial without a plain run has no range
     assert per_prompt_rows([same, plain, adaptive, b3], table, 0.0)[0]["vs_plain_trials"] is None
