@@ -1217,8 +1217,10 @@ def build_server(args, loaded: tuple | None = None):
         raise
 
 
-class Terminated(Exception):
-    """SIGTERM: the server stops as on Ctrl-C, and the command ends with 0."""
+class Terminated(BaseException):
+    """SIGTERM: the server stops as on Ctrl-C, and the command ends with 0. A BaseException, as KeyboardInterrupt is:
+    the signal may land while the server's own thread handles a connection, where socketserver reports an Exception
+    and serves on."""
 
 
 def _terminated(signum, frame):

@@ -404,3 +404,19 @@ def test_chat_repl_keeps_the_conversation(tiny_pair, tiny_dflash2, monkeypatch, 
     summaries = [line for line in err.splitlines() if "[dflash B=" in line]
     assert len(summaries) == 2 and all("tau" in s and "TTFT" in s for s in summaries)
     assert "0 of" in summaries[0] and "0 of" not in summaries[1]  # the second turn reused the first's caches
+
+
+def test_a_sigterm_landing_while_a_connection_is_taken_stops_the_server():
+    """SIGTERM raises `serve.Terminated` in the server's thread wherever it is, also inside socketserver's handling of
+    a new connection, which reports any Exception and serves on: there it must still reach `serve_forever`'s caller
+    (a two-process server once kept serving after its SIGTERM landed there)."""
+    import socketserver
+
+    class Server(socketserver.TCPServer):
+        def process_request(self, request, client_address):
+            raise serve.Terminated
+
+    with Server(("127.0.0.1", 0), socketserver.BaseRequestHandler) as server:
+        with socket.create_connection(server.server_address, timeout=10):
+            with pytest.raises(serve.Terminated):
+                server.handle_request()
