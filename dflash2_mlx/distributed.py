@@ -32,6 +32,7 @@ import itertools
 import json
 import re
 import weakref
+from enum import IntEnum
 from importlib.metadata import version
 
 import mlx.core as mx
@@ -49,9 +50,23 @@ from .target import Capture, Target
 
 MODES = ("pipeline", "tensor")
 CONNECT_TIMEOUT = 60.0  # seconds to reach the other processes and agree on what they loaded
-# what rank 0 asks of the others
-START, FREE, FORWARD, VERIFY, ROLLBACK, TRIM, PLAIN, STOP, COPY = range(1, 10)
-_FED = (FREE, FORWARD, VERIFY, PLAIN)  # operations that broadcast ids
+
+
+class Op(IntEnum):
+    """What rank 0 asks of the others: the first number of each announcement (`ShardedTarget.lead`)."""
+
+    START = 1  # a new cache
+    FREE = 2  # drop the caches whose keys follow
+    FORWARD = 3  # a forward over the ids that records the drafter's layers (`Capture.forward`)
+    VERIFY = 4  # a forward over the ids (anchor and drafts) that a rollback can undo (`Capture.verify`)
+    ROLLBACK = 5  # keep the first `count` rows of the cache's last verify pass
+    TRIM = 6  # forget the cache's last `count` tokens (`Target._trim`)
+    PLAIN = 7  # a plain forward over the ids
+    STOP = 8  # stop following
+    COPY = 9  # copy the cache into a new one, whose key is `count`
+
+
+_FED = (Op.FREE, Op.FORWARD, Op.VERIFY, Op.PLAIN)  # operations that broadcast ids
 STOP_TIMEOUT = 10.0  # seconds rank 0, ending on an error, waits for the others to take its stop
 MESSAGE_IDS = 64  # ids sent within the announcement (a cycle's block); more follow in a second broadcast
 
@@ -159,15 +174,15 @@ class ShardedCapture(Capture):
     features are the drafter's context rows [L, D] (`ShardedTarget.project`)."""
 
     def forward(self, tokens: mx.array, cache: list):
-        return self._forward(self.target.lead(FORWARD, cache, tokens), cache)
+        return self._forward(self.target.lead(Op.FORWARD, cache, tokens), cache)
 
     def verify(self, tokens: mx.array, cache: list):
-        return super().verify(self.target.lead(VERIFY, cache, tokens), cache)
+        return super().verify(self.target.lead(Op.VERIFY, cache, tokens), cache)
 
     def rollback(self, cache: list, verified, keep: int) -> None:
         if not 0 <= keep <= verified.rows:  # refused before the other ranks are told
             raise ValueError(f"cannot keep {keep} rows of a {verified.rows}-row verify pass")
-        self.target.lead(ROLLBACK, cache, count=keep)
+        self.target.lead(Op.ROLLBACK, cache, count=keep)
         super().rollback(cache, verified, keep)
 
     def _trim(self, cache: list, n: int) -> None:
@@ -225,7 +240,7 @@ class ShardedTarget(Target):
         """Rank 0's `x` on every rank (the others pass an array of its shape)."""
         return mx.distributed.all_sum(x if self.leader else mx.zeros_like(x), group=self.group)
 
-    def lead(self, op: int, cache: list | None, tokens: mx.array | None = None, count: int = 0) -> mx.array | None:
+    def lead(self, op: Op, cache: list | None, tokens: mx.array | None = None, count: int = 0) -> mx.array | None:
         """Rank 0: announce `op` on `cache` to the other ranks, with `tokens`; returns the tokens (evaluated).
         Other ranks (which read the announcement in `follow`): `tokens` as they are."""
         if not self.leader:
@@ -262,7 +277,7 @@ class ShardedTarget(Target):
         if self.leader:
             self._announce_freed()
             self._name(cache)
-            self.lead(START, cache)
+            self.lead(Op.START, cache)
         return cache
 
     def _name(self, cache: ShardedCache) -> None:
@@ -275,21 +290,21 @@ class ShardedTarget(Target):
         while self._freed:  # emptied in place: the finalizers of live caches append to this list
             freed.append(self._freed.pop())
         if freed:
-            self.lead(FREE, None, mx.array(freed, mx.int32))
+            self.lead(Op.FREE, None, mx.array(freed, mx.int32))
 
     def _copied(self, cache: ShardedCache, other: ShardedCache) -> None:
         """Rank 0 copied `cache` into `other` (`ShardedCache.__deepcopy__`): the other ranks copy theirs."""
         self._announce_freed()
         self._name(other)
-        self.lead(COPY, cache, count=other.key)
+        self.lead(Op.COPY, cache, count=other.key)
 
     def _trim(self, cache: list, n: int) -> None:
         """`Target._trim`, announced (a prompt cache cut back to the prefix a new prompt shares)."""
-        self.lead(TRIM, cache, count=n)
+        self.lead(Op.TRIM, cache, count=n)
         Target._trim(cache, n)
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
-        logits = super().__call__(self.lead(PLAIN, cache, tokens), cache)
+        logits = super().__call__(self.lead(Op.PLAIN, cache, tokens), cache)
         self._finish_later(logits)
         return logits
 
@@ -333,7 +348,7 @@ def stop(target: ShardedTarget) -> None:
     """Rank 0: the other ranks stop following (their `follow` returns). Call it once no operation runs."""
     if not target.leader:
         raise RuntimeError("only rank 0 stops the others; the other ranks follow (distributed.follow)")
-    target.lead(STOP, None)
+    target.lead(Op.STOP, None)
 
 
 def _nothing() -> None:
@@ -370,26 +385,26 @@ def follow(target: ShardedTarget) -> None:
     with target.capture() as tap:
         while True:
             op, key, n, ids = target.receive()
-            if op == STOP:
+            if op == Op.STOP:
                 return
-            if op == START:
+            if op == Op.START:
                 caches[key] = target.make_cache()
-            elif op == FREE:
+            elif op == Op.FREE:
                 for k in ids.tolist():
                     caches.pop(k, None)
                     verified.pop(k, None)
-            elif op == FORWARD:
+            elif op == Op.FORWARD:
                 mx.eval([a for a in tap.forward(ids, caches[key]) if a is not None])
-            elif op == VERIFY:
+            elif op == Op.VERIFY:
                 verified[key] = v = tap.verify(ids, caches[key])
                 mx.eval([a for a in (v.logits, v.features) if a is not None])
-            elif op == PLAIN:
+            elif op == Op.PLAIN:
                 mx.eval(target(ids, caches[key]))
-            elif op == ROLLBACK:
+            elif op == Op.ROLLBACK:
                 tap.rollback(caches[key], verified[key], n)
-            elif op == TRIM:
+            elif op == Op.TRIM:
                 target._trim(caches[key], n)
-            elif op == COPY:  # n: the copy's key
+            elif op == Op.COPY:  # n: the copy's key
                 caches[n] = copy.deepcopy(caches[key])
             else:
                 raise RuntimeError(f"rank 0 asked for operation {op}, which this version does not know: run the same "
