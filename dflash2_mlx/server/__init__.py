@@ -1,9 +1,42 @@
 """An OpenAI-compatible HTTP server over `stream_cycles` (the library behind `dflash2 serve`).
 
-`protocol`: the JSON body of a request parsed and validated into a `CompletionRequest` and its
-`GenerationArguments`.
+POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`), GET /v1/models and
+GET /health. Request fields are OpenAI's and mlx_lm.server's; every response carries `usage` and a `dflash`
+object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
+`X-DFlash-*` headers, so a fallback to plain decoding is visible. `logprobs` come in OpenAI's shapes (chat:
+`logprobs` true and `top_logprobs` N; completions: `logprobs` N), streamed with the text too.
+
+One module per job:
+
+- `protocol`: the JSON body parsed and validated into a `CompletionRequest` and its `GenerationArguments`.
+- `scheduler`: the one worker thread that owns the model (`Worker`): a lone request decodes speculatively,
+  concurrent ones together in mlx-lm's `BatchGenerator`, each from the cached sequence sharing the longest
+  prefix with it (`PromptCaches`).
+- `responses`: stop strings, tool calls, logprobs, and the bodies of answers and streamed chunks.
+- `http`: the handler and the server (the standard library's ThreadingHTTPServer, one thread per connection).
+- `app`: what the handlers share (`App`), the server's settings (`ServeSettings`) and `build_server`.
+
+Example:
+    app, server = build_server(model, tokenizer, drafter, model_id="my-model",
+                               settings=ServeSettings(port=8080))
+    server.serve_forever()
 """
 
+from .app import App, ServeSettings, build_server, warm_start
+from .http import make_server
 from .protocol import ApiError, CompletionRequest, GenerationArguments, RequestParser
+from .scheduler import Job, Worker
 
-__all__ = ["ApiError", "CompletionRequest", "GenerationArguments", "RequestParser"]
+__all__ = [
+    "ApiError",
+    "App",
+    "CompletionRequest",
+    "GenerationArguments",
+    "Job",
+    "RequestParser",
+    "ServeSettings",
+    "Worker",
+    "build_server",
+    "make_server",
+    "warm_start",
+]

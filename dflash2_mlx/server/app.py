@@ -1,0 +1,139 @@
+"""What the server's handlers share (`App`): the worker, the request parser, the served names, the settings;
+and `build_server`, which makes an `App` and its HTTP server from a loaded model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from http.server import ThreadingHTTPServer
+
+from .. import distributed
+from ..adaptive import load_or_measure_costs
+from ..generate import resolve_block_size
+from ..loading import bind_drafter
+from ..target import Target
+from ..tree import TREE_BUDGET_MAX, default_budget
+from .http import make_server
+from .protocol import GenerationArguments, RequestParser
+from .scheduler import Worker
+
+log = logging.getLogger("dflash2.serve")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """The server's own settings (`dflash2 serve` takes its flags' defaults from here)."""
+
+    host: str = "127.0.0.1"  # anything but loopback exposes the model to the network
+    port: int = 8080  # 0 picks a free port
+    queue_size: int = 8  # requests waiting beyond the running ones; more get 503
+    request_timeout: float = 600.0  # seconds a request may take, queueing included
+    context_length: int | None = None  # longest prompt + max_tokens accepted; None: the model's own
+    prompt_cache: bool = True  # reuse cached prefixes (`PromptCaches`) for the prefix a request shares with one
+    prompt_cache_size: int = 10  # prompt-cache slots (distinct cached sequences), as mlx_lm.server's flag
+    prompt_cache_bytes: int | None = None  # their byte budget; None: bounded by the slot count alone
+    decode_concurrency: int = 32  # most requests decoded together (mlx_lm.server's flag); more wait queued
+
+
+def warm_start(model, drafter, defaults: GenerationArguments) -> dict:
+    """`stream_cycles`'s keyword arguments that spare every request the measurement of this machine's cycle
+    costs: adaptive mode's cost model, or ddtree's tree budget when --tree-budget is unset, loaded from the cache
+    or measured now, before the server accepts a request. Requests never measure: a stale verdict during serving
+    drops the cached copy (logged; the next start measures anew) while this curve stays in use, adaptive mode
+    rescaling it online within each request by the cycles and plain steps it times.
+
+    Args:
+        model: the target (or rank 0's `distributed.ShardedTarget`).
+        drafter: the drafter (None: plain decoding, nothing to measure).
+        defaults: the server's generation arguments (its verify mode, block size and tree budget).
+    """
+    mode = defaults.verify_mode
+    if drafter is None or mode not in ("adaptive", "ddtree"):
+        return {}
+    target = model if isinstance(model, Target) else bind_drafter(drafter, model)  # a sharded target is bound
+    block = resolve_block_size(drafter, defaults.block_size, mode)
+    if mode == "adaptive":
+        return {"costs": load_or_measure_costs(target, drafter, block)}
+    if defaults.tree_budget is None:
+        return {"tree_budget": default_budget(load_or_measure_costs(target, drafter, block, TREE_BUDGET_MAX + 1),
+                                              block)}
+    return {}
+
+
+def sharded_info(model) -> dict | None:
+    """What /health says of a target sharded over processes (None: one process)."""
+    if not isinstance(model, distributed.ShardedTarget):
+        return None
+    return {"mode": model.mode, "processes": model.group.size(), "batching": False,
+            "note": "one request at a time: batched decoding would run the model in one process"}
+
+
+class App:
+    """What the HTTP handlers share: the worker, the request parser, the model's names and context, and the
+    default generation arguments.
+
+    The cycle costs adaptive mode (or ddtree's default budget) needs are loaded or measured here (`warm_start`),
+    before the worker starts. `model` may be rank 0's `distributed.ShardedTarget` (its measurements announced
+    to the other processes): requests then run one at a time, speculatively (`sharded`).
+
+    Args:
+        model, tokenizer, drafter: what generates (`stream_cycles`' own).
+        model_id: the name clients use in 'model'.
+        defaults: the generation arguments of what a request leaves unset (the server's flags).
+        settings: the server's own settings.
+        served_names: the names (beside `model_id`) clients may use in 'model' (--served-model-name).
+    """
+
+    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: GenerationArguments,
+                 settings: ServeSettings, served_names: tuple[str, ...] = ()):
+        self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
+        self.sharded = sharded_info(model)
+        self.model_names = list(dict.fromkeys([model_id, *served_names]))
+        tic = time.perf_counter()
+        measured = warm_start(model, drafter, defaults)
+        self.defaults = replace(defaults, **measured)
+        if measured:
+            log.info("cycle costs ready in %.1f s (loaded or measured once, at startup)", time.perf_counter() - tic)
+        self.request_timeout = settings.request_timeout
+        target = model if isinstance(model, Target) else Target(model)
+        self.vocab_size = target.vocab_size
+        model_context = getattr(getattr(target.model, "args", None), "max_position_embeddings", None)
+        self.context_length = settings.context_length or model_context
+        if self.context_length is None:
+            log.warning("the model does not say its context length: prompts are not checked against one "
+                        "(set --context-length)")
+        self.parser = RequestParser(tokenizer, self.defaults, self.model_names, self.vocab_size, self.context_length)
+        # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
+        concurrency = 1 if self.sharded else settings.decode_concurrency
+        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache,
+                             prompt_cache_size=settings.prompt_cache_size,
+                             prompt_cache_bytes=settings.prompt_cache_bytes, decode_concurrency=concurrency)
+        self.created = int(time.time())
+
+    def close(self) -> bool:
+        """End every job; True once no generation runs."""
+        return self.worker.stop()
+
+
+def build_server(model, tokenizer, drafter, *, model_id: str, defaults: GenerationArguments | None = None,
+                 settings: ServeSettings | None = None,
+                 served_names: tuple[str, ...] = ()) -> tuple[App, ThreadingHTTPServer]:
+    """An `App` and its HTTP server, bound to the settings' host and port but not yet serving.
+
+    Serve with `server.serve_forever()`; stop with `server.shutdown()`, `app.close()`, `server.server_close()`.
+
+    Args:
+        model, tokenizer, drafter: what generates (a loaded target, its tokenizer, its drafter or None).
+        model_id: the name clients use in 'model'.
+        defaults: the generation arguments of what a request leaves unset (default: `stream_cycles`' own).
+        settings: the server's own settings (default: `ServeSettings()`).
+        served_names: other names clients may use in 'model'.
+    """
+    app = App(model, tokenizer, drafter, model_id, defaults or GenerationArguments(), settings or ServeSettings(),
+              served_names)
+    try:
+        return app, make_server(app)
+    except BaseException:
+        app.close()
+        raise
