@@ -405,7 +405,7 @@ def test_server_completion_logprobs_in_openais_shape(logprob_server):
 def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server, monkeypatch):
     """The rows the loop hands over become the answer's numbers (a generation replaced by one whose rows are
     known); the EOS that ends it adds no text and is not listed, as it is not in the message."""
-    import dflash2_apps.serve as serve
+    from dflash2_mlx.server import scheduler
     from dflash2_mlx.generate import CycleResponse
 
     app, port = logprob_server
@@ -421,7 +421,7 @@ def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server
                             prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=3, generation_tps=1.0,
                             peak_memory=0.0, finish_reason="stop", verify_mode="dflash", block_size=4, logprobs=rows)
 
-    monkeypatch.setattr(serve, "stream_cycles", cycles)
+    monkeypatch.setattr(scheduler, "stream_cycles", cycles)
     answer = client(port).chat.completions.create(model=app.model_id, messages=user("w1"), max_tokens=12,
                                                   logprobs=True, top_logprobs=2)
     content = answer.choices[0].logprobs.content

@@ -25,6 +25,7 @@ import dflash2_apps.serve as serve
 from dflash2_apps.cli import make_parser, main
 from dflash2_apps.serve import build_server
 from dflash2_mlx import generate
+from dflash2_mlx.server import scheduler
 
 TIMEOUT = 60  # seconds, for every client call and every bounded wait
 CONTEXT = 512
@@ -233,7 +234,7 @@ def test_models_health_and_unknown_routes(served):
 def gated(monkeypatch):
     """Generations hold after their first record until the gate opens; `counts` has the records each
     generation gave the worker."""
-    gate, counts, real = threading.Event(), [], serve.relayed_cycles
+    gate, counts, real = threading.Event(), [], scheduler.relayed_cycles
 
     def held(*args, **kwargs):
         counts.append(0)
@@ -243,7 +244,7 @@ def gated(monkeypatch):
             counts[-1] += 1
             yield record
 
-    monkeypatch.setattr(serve, "relayed_cycles", held)
+    monkeypatch.setattr(scheduler, "relayed_cycles", held)
     try:
         yield gate, counts
     finally:

@@ -25,7 +25,9 @@ from mlx_lm.tool_parsers import json_tools
 from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
+import dflash2_mlx.server.app as server_app
 from dflash2_mlx import adaptive, generate
+from dflash2_mlx.server import responses, scheduler
 from dflash2_mlx.adaptive import AdaptiveBlocks
 from dflash2_mlx.generate import CycleResponse
 
@@ -87,7 +89,7 @@ def test_negative_control_requests_that_measure_are_caught(tiny_pair, tiny_dflas
     """Without the warm start the same check fails: the first request measures, and after each stale verdict
     the next one measures again."""
     monkeypatch.setattr(AdaptiveBlocks, "stale", lambda self: True)
-    monkeypatch.setattr(serve, "warm_start", lambda model, drafter, defaults: {})
+    monkeypatch.setattr(server_app, "warm_start", lambda model, drafter, defaults: {})
     with running(tiny_pair[0], tiny_dflash2, "--verify-mode", "adaptive") as (app, port):
         assert measurements == []
         assert measured_in_requests(port, measurements) == 3
@@ -213,7 +215,7 @@ def test_tool_calls_are_split_off_the_text_however_it_comes(tool_tokenizer, stre
     text = f"Let me look. {CALL} and {second} done"
     results = []
     for sizes in [(len(text),), (1,), (2, 3), (5, 1, 4)]:
-        tools, content, calls = serve.ToolCalls(tool_tokenizer, TOOLS, streaming), "", []
+        tools, content, calls = responses.ToolCalls(tool_tokenizer, TOOLS, streaming), "", []
         for piece in pieces(text, sizes):
             got, done = tools.feed(piece)
             content, calls = content + got, calls + done
@@ -234,11 +236,11 @@ def test_tool_calls_are_split_off_the_text_however_it_comes(tool_tokenizer, stre
 def test_a_call_cut_short_is_dropped_and_one_without_its_end_marker_is_kept(tool_tokenizer):
     """As mlx_lm.server: at the end, an open call is parsed; one that does not parse (cut by max_tokens) is
     dropped, with mlx-lm's warning."""
-    tools = serve.ToolCalls(tool_tokenizer, TOOLS, False)
+    tools = responses.ToolCalls(tool_tokenizer, TOOLS, False)
     assert tools.feed(CALL.removesuffix(" </tool_call>")) == ("", [])
     content, calls = tools.finish()
     assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
-    tools = serve.ToolCalls(tool_tokenizer, TOOLS, False)
+    tools = responses.ToolCalls(tool_tokenizer, TOOLS, False)
     tools.feed(CALL[:40])
     assert tools.finish() == ("", [])
 
@@ -265,7 +267,7 @@ def emitting(monkeypatch, tokenizer, text: str):
                                 generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
                                 verify_mode="dflash", block_size=None if n == 1 else 4)
 
-    monkeypatch.setattr(serve, "relayed_cycles", generation)
+    monkeypatch.setattr(scheduler, "relayed_cycles", generation)
     yield prompts
 
 
@@ -428,7 +430,7 @@ def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
 def held_first(monkeypatch):
     """The first generation holds before its second record (a speculative cycle) until the gate opens; `holding`
     is set once it waits there."""
-    gate, holding, real = threading.Event(), threading.Event(), serve.relayed_cycles
+    gate, holding, real = threading.Event(), threading.Event(), scheduler.relayed_cycles
     calls = []
 
     def held(*args, **kwargs):
@@ -440,7 +442,7 @@ def held_first(monkeypatch):
                 assert gate.wait(TIMEOUT), "the test never opened the gate"
             yield record
 
-    monkeypatch.setattr(serve, "relayed_cycles", held)
+    monkeypatch.setattr(scheduler, "relayed_cycles", held)
     try:
         yield gate, holding
     finally:
@@ -540,7 +542,7 @@ def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2,
     stops at the next step with the others still decoding; they finish unchanged. The one past its timeout gets
     the 504 it gets alone."""
     with running(tiny_pair[0], tiny_dflash2) as (app, port):
-        ids_of, real, seen = chat_ids(app, PROMPTS[victim]), serve.Worker._record, []
+        ids_of, real, seen = chat_ids(app, PROMPTS[victim]), scheduler.Worker._record, []
 
         def record(worker, e, token, logprobs, finish):
             if e.job.prompt == ids_of and e.generated >= 4 and not seen:
@@ -551,7 +553,7 @@ def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2,
                 seen.append(len(worker.active))
             return real(worker, e, token, logprobs, finish)
 
-        monkeypatch.setattr(serve.Worker, "_record", record)
+        monkeypatch.setattr(scheduler.Worker, "_record", record)
         results, wants, ids, health = eight_clients(app, port, monkeypatch)
     assert seen == [8]  # stopped while all eight were active
     assert results[victim][0] == "error"
@@ -573,13 +575,13 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
         want_short = expected(app, chat_ids(app, short_prompt), 4)
         assert want_long.finish_reason == "length"  # it runs its 48 tokens: long past the short one
         api, got = client(port), {}
-        modes, real = [], serve.Worker._continued
+        modes, real = [], scheduler.Worker._continued
 
         def continued(worker, r, resumed, generated):
             modes.append(r.verify_mode)
             return real(worker, r, resumed, generated)
 
-        monkeypatch.setattr(serve.Worker, "_continued", continued)
+        monkeypatch.setattr(scheduler.Worker, "_continued", continued)
 
         def long_client():
             chunks = list(api.chat.completions.create(model="default_model", messages=long_prompt, max_tokens=48,
@@ -616,13 +618,13 @@ def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
     from conftest import make_dflash2_drafter, make_target
 
     model = make_target("qwen3", seed=3)
-    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
     kw = {"temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
     prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(3)]
     lengths = [40, 4, 20]  # the long one has 30-odd tokens to go when the short one ends: it could leave
-    jobs = [serve.Job(p, {**kw, "max_tokens": n}, time.monotonic() + TIMEOUT) for p, n in zip(prompts, lengths)]
+    jobs = [scheduler.Job(p, {**kw, "max_tokens": n}, time.monotonic() + TIMEOUT) for p, n in zip(prompts, lengths)]
     ended, submitted, resumed = threading.Event(), [], []
-    real_end, real_continued = serve.Worker._end, serve.Worker._continued
+    real_end, real_continued = scheduler.Worker._end, scheduler.Worker._continued
 
     def end(self, job, reason, cached):
         real_end(self, job, reason, cached)
@@ -637,15 +639,15 @@ def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
         if not submitted:
             submitted.append(worker.submit(jobs[2]))
 
-    class Generator(serve.BatchGenerator):
+    class Generator(scheduler.BatchGenerator):
         def next(self):
             if ended.is_set():
                 submit_third()
             return super().next()
 
-    monkeypatch.setattr(serve.Worker, "_end", end)
-    monkeypatch.setattr(serve.Worker, "_continued", continued)
-    monkeypatch.setattr(serve, "BatchGenerator", Generator)
+    monkeypatch.setattr(scheduler.Worker, "_end", end)
+    monkeypatch.setattr(scheduler.Worker, "_continued", continued)
+    monkeypatch.setattr(scheduler, "BatchGenerator", Generator)
     out = []
     try:
         with held_first(monkeypatch) as (gate, holding):
@@ -674,7 +676,7 @@ def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch, reco
                    ) -> list[tuple[list[int], int]]:
     """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
     is held after one record, so that all of them are active at once. `records`: gets each prompt's records."""
-    jobs = [serve.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
+    jobs = [scheduler.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
     with held_first(monkeypatch) as (gate, holding):
         worker.submit(jobs[0])
         assert holding.wait(TIMEOUT)
@@ -702,7 +704,7 @@ def test_batched_requests_get_the_logprobs_mlx_lm_computes(tokenizer, monkeypatc
     from mlx_lm import stream_generate as mlx_stream
 
     model = make_target("qwen3", seed=3)
-    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
     kw = {"max_tokens": 12, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": [],
           "logprobs": 3}
     prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(3)]
@@ -732,7 +734,7 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
     from conftest import make_dflash2_drafter, make_hybrid, make_target
 
     model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
-    worker = serve.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
+    worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
     kw = {"max_tokens": 20, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
     alone = lambda p: generate(model, tokenizer, p, None, verify_mode="off", max_tokens=20,  # noqa: E731
                                eos_token_ids=[]).tokens
