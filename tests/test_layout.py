@@ -1,8 +1,9 @@
 """The package's layers, checked from its import graph (parsed, not imported): no import circle; `formats/`
 at the bottom, importing nothing else of the package; `train/` imported only by itself and the commands that
-train or read training data (`dflash2 data`, `dflash2 train`, `dflash2 bench --tree-sim`); no function-local
-import of the package's own modules, which would hide an edge from this graph (third-party imports may stay
-lazy where they are heavy or optional)."""
+train or read training data (`dflash2 data`, `dflash2 train`, `dflash2 bench --tree-sim`); the library
+(`dflash2_mlx`) never importing the commands (`dflash2_apps`); `server/`'s modules each importing only those
+below it in `SERVER_LAYERS`; no function-local import of the package's own modules, which would hide an edge
+from this graph (third-party imports may stay lazy where they are heavy or optional)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash2_mlx": ROOT / "dflash2_mlx", "dflash2_apps": ROOT / "apps"}
 TRAIN_USERS = ("dflash2_apps.data", "dflash2_apps.train", "dflash2_apps.tree_sim")
+# the server's modules, bottom first: the protocol knows no scheduler, the scheduler no HTTP, ...
+SERVER_LAYERS = ("protocol", "responses", "scheduler", "http", "app")
 
 
 def modules() -> dict[str, Path]:
@@ -101,13 +104,28 @@ def test_train_is_imported_only_by_itself_and_the_training_commands():
     assert not wrong
 
 
+def test_the_library_never_imports_the_commands():
+    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m.startswith("dflash2_mlx")
+             for t, line, _ in targets if t.startswith("dflash2_apps")]
+    assert not wrong
+
+
+def test_the_server_modules_import_only_the_layers_below():
+    layer = {f"dflash2_mlx.server.{name}": i for i, name in enumerate(SERVER_LAYERS)}
+    server = {m for m in graph() if m.startswith("dflash2_mlx.server.")}
+    assert server == set(layer)  # a new module of the package gets its place in SERVER_LAYERS
+    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m in layer
+             for t, line, _ in targets if t in layer and layer[t] >= layer[m]]
+    assert not wrong
+
+
 def test_no_function_local_import_of_the_package():
     wrong = [f"{m} line {line}: {t}" for m, targets in graph().items() if m != "dflash2_apps.cli"
              for t, line, local in targets if local]
     assert not wrong
 
 
-@pytest.mark.parametrize("mutation", ["circle", "formats", "train", "local"])
+@pytest.mark.parametrize("mutation", ["circle", "formats", "train", "library", "server", "local"])
 def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
     """Each rule above fails on a graph with one breach added (the rules are not vacuous)."""
     real = graph()
@@ -123,6 +141,15 @@ def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
         monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.prompts": [("dflash2_mlx.train.data", 1, False)]})
         with pytest.raises(AssertionError):
             test_train_is_imported_only_by_itself_and_the_training_commands()
+    elif mutation == "library":
+        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.info": [("dflash2_apps.common", 1, False)]})
+        with pytest.raises(AssertionError):
+            test_the_library_never_imports_the_commands()
+    elif mutation == "server":
+        monkeypatch.setitem(globals(), "graph", lambda: {
+            **g, "dflash2_mlx.server.scheduler": [("dflash2_mlx.server.http", 1, False)]})
+        with pytest.raises(AssertionError):
+            test_the_server_modules_import_only_the_layers_below()
     else:
         monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.info": [("dflash2_mlx.loading", 9, True)]})
         with pytest.raises(AssertionError):
