@@ -8,6 +8,7 @@ or a user's JSONL file (one {"prompt": ...} per line)."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from importlib import resources
 from pathlib import Path
@@ -46,6 +47,12 @@ def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             yield index, obj.get("id", str(index)), turns[0]["value"].strip()
         index += 1
+
+
+def prompts_sha256(prompts: list[str]) -> str:
+    """The content hash of a list of prompts: sha256 of their JSON array (`json.dumps`, UTF-8). A report records
+    it for the prompts it ran; a built-in suite keeps its hash for good (a changed suite gets a new name)."""
+    return hashlib.sha256(json.dumps(prompts).encode("utf-8")).hexdigest()
 
 
 def load_suite(name: str, limit: int | None = None) -> list[str]:
