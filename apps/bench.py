@@ -7,8 +7,8 @@ Each prompt runs every method back to back, in alternating order (A B C, then C 
 trial to the next: the ABBA design), so drift on a shared machine hits them alike: over a pair a linear drift
 adds the same to every method's time, and a prompt's methods are compared on runs seconds apart, not minutes.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
-The report (terminal tables, markdown, JSON) is `bench_report.py`; `--tree-sim` is `tree_sim.py`, `--replay`
-`replay.py`.
+The report (terminal tables, markdown, JSON) and its per-prompt statistics are `bench_report.py`; `--tree-sim` is
+`tree_sim.py`, `--replay` `replay.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from mlx_lm import stream_generate as mlx_stream
 from mlx_lm.sample_utils import make_sampler
 from rich.progress import Progress
 
-from dflash2_apps.bench_report import render, report_console, report_json
+from dflash2_apps.bench_report import (adaptive_summary, per_prompt_rows, render, report_console, report_context,
+                                       report_json)
 from dflash2_apps.common import KERNELS_HELP, command_line, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
@@ -40,7 +41,7 @@ from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
-from dflash2_mlx.prompts import SUITES, load_suite
+from dflash2_mlx.prompts import SUITES, load_suite, prompts_sha256
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
@@ -57,6 +58,10 @@ class Method:
     tree_budget: int | None = None  # ddtree only
     peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
     note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
+    label: str | None = None  # what the report calls it: "DFlash 2 · adaptive", "v1 · B=8" (default: its name)
+
+    def __post_init__(self):
+        self.label = self.label or self.name
 
 
 @dataclass
@@ -145,6 +150,7 @@ def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | Non
     median = statistics.median(per_trial_tps)
     return {
         "method": method.name,
+        "label": method.label,
         "kind": method.kind,
         "drafter": method.drafter_label,
         "block_size": method.block_size,
@@ -173,7 +179,7 @@ def unavailable_row(method: Method) -> dict:
     """The row of a peer that cannot run: its reason, no numbers."""
     keys = ("generation_tps_median", "generation_tps_min", "generation_tps_max", "speedup", "tau", "plain_share",
             "prompt_tps_median", "ttft_s_median", "peak_memory_gb", "token_sha256", "cycle_ms", "lossless")
-    return {"method": method.name, "kind": method.kind, "drafter": method.drafter_label,
+    return {"method": method.name, "label": method.label, "kind": method.kind, "drafter": method.drafter_label,
             "block_size": method.block_size, "walk": method.walk, "cycles": 0, "acceptance_by_position": [],
             "note": method.note, **dict.fromkeys(keys)}
 
@@ -254,7 +260,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
             m.peer, m.note = None, str(e)
             return None
 
-    results, sample, per_prompt, calibration = [], None, [], []
+    results, sample, per_prompt, summary, calibration = [], None, [], [], []
     parts = {m.name: [] for m in methods}  # (drafter pass, verify pass) per trial of the first temperature
     with Progress(disable=not progress, transient=True) as bar:
         total = len(temps) * (trials * len(prompts) + 1) * len(methods)
@@ -292,71 +298,16 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 else:
                     row["lossless"] = None  # sampled outputs are checked by the test suite's distribution tests
                 results.append(row)
-            per_prompt += per_prompt_rows(methods, runs, temp)
+            rows = per_prompt_rows(methods, runs, temp)
+            per_prompt += rows
+            summary += adaptive_summary(methods, runs, rows)
             if temp > 0:
                 calibration += shadow_calibration(model, tokenizer, prompts, methods, results, max_tokens, temp)
-    return {"results": results, "per_prompt": per_prompt, "shadow_calibration": calibration,
-            "sample_output": sample, "costs": cost_curves(model, methods), "errors": [
-        f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
-        if r["lossless"] is False
-    ]}
-
-
-def prompt_tps(trials: list[list[Run]], p: int) -> float:
-    """Tokens per second of prompt p over all trials (their tokens over their seconds: over an ABBA pair of
-    trials a linear drift weighs on every method alike)."""
-    runs = [runs[p] for runs in trials if runs[p] is not None and runs[p].generation_tps > 0]
-    seconds = sum(len(r.tokens) / r.generation_tps for r in runs)
-    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
-
-
-def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
-    """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
-    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well.
-
-    How much of a difference is the machine's: `vs_plain_trials` and `vs_best_trials` are the lowest and highest
-    of the same ratios trial by trial (each of a trial's runs seconds apart, see the module's docstring), and
-    `same_work_vs_plain` is mlx-lm's tokens per second over plain decoding's, when both ran: the same forwards
-    through two loops, so its distance from 1.00x is what noise alone moves a ratio on this run."""
-    plain = next((m for m in methods if m.kind == "plain"), None)
-    same = next((m for m in methods if m.kind == "mlx-lm"), None)
-    rows = []
-    for m in methods:
-        if m.kind != "adaptive" or plain is None:
-            continue
-        fixed = [f for f in methods if f.kind == "dflash" and f.drafter_label == m.drafter_label]
-        for p in range(len(runs[m.name][0])):
-            tps = {f.name: prompt_tps(runs[f.name], p) for f in fixed}
-            best = max(tps, key=tps.get) if tps else None
-            plain_tps, adaptive_tps = prompt_tps(runs[plain.name], p), prompt_tps(runs[m.name], p)
-            adaptive_runs = [r[p] for r in runs[m.name]]
-            tokens = sum(len(r.tokens) for r in adaptive_runs)
-            rivals = [plain.name] + ([best] if best else [])
-            rows.append({
-                "temperature": temp, "prompt": p + 1, "drafter": m.drafter_label, "plain_tps": plain_tps,
-                "adaptive_tps": adaptive_tps, "best_fixed": best, "best_fixed_tps": tps[best] if best else None,
-                "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
-                "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
-                "vs_plain_trials": trial_range(runs, m.name, [plain.name], p),
-                "vs_best_trials": trial_range(runs, m.name, rivals, p),
-                "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
-                "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
-                "tokens": tokens / len(adaptive_runs),  # new tokens per run: under max_tokens where it ended at EOS
-                "fixed_tps": tps,
-            })
-    return rows
-
-
-def trial_range(runs: dict, name: str, rivals: list[str], p: int) -> list[float] | None:
-    """[lowest, highest] over trials of method `name`'s tokens per second on prompt p over the fastest of
-    `rivals`' in the same trial (None if a trial lacks a run)."""
-    ratios = []
-    for t, mine in enumerate(runs[name]):
-        theirs = [runs[r][t][p] for r in rivals]
-        if mine[p] is None or any(r is None or r.generation_tps <= 0 for r in theirs):
-            return None
-        ratios.append(mine[p].generation_tps / max(r.generation_tps for r in theirs))
-    return [min(ratios), max(ratios)] if ratios else None
+    errors = [f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
+              if r["lossless"] is False]
+    return {"results": results, "per_prompt": per_prompt, "adaptive_summary": summary,
+            "shadow_calibration": calibration, "sample_output": sample, "costs": cost_curves(model, methods),
+            "errors": errors}
 
 
 def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict],
@@ -398,20 +349,40 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
 
 def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
                 walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int | None, ...] = ()) -> list[Method]:
+    """The bench's rows: mlx-lm, plain decoding, and per drafter adaptive mode, each fixed block (each walk of a
+    DFlash 2 drafter) and each tree budget; mlx-lm's classic speculative decoding with a `classic` draft model.
+    Each is named by its drafter's label (the JSON's "method") and labelled by its drafter's kind for the report
+    ("DFlash 2 · B=5 greedy": `drafter_names`)."""
+    names = drafter_names(drafters)
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
-        methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label))
+        methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label,
+                              label=f"{names[label]} · adaptive"))
         for B in fixed_block_sizes(drafter, block_sizes):
             for walk in walks if len(drafter.walks) > 1 else drafter.walks:
-                name = f"{label} B={B}" + (f" {walk}" if len(drafter.walks) > 1 else "")
-                methods.append(Method(name, "dflash", drafter, B, walk, label))
+                which = f"B={B}" + (f" {walk}" if len(drafter.walks) > 1 else "")
+                methods.append(Method(f"{label} {which}", "dflash", drafter, B, walk, label,
+                                      label=f"{names[label]} · {which}"))
             for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
                 methods.append(Method(f"{label} B={B} ddtree {budget or 'auto'}", "ddtree", drafter, B, "greedy", label,
-                                      tree_budget=budget))
+                                      tree_budget=budget, label=f"{names[label]} · B={B} tree {budget or 'auto'}"))
     if classic:
         for B in block_sizes or [4]:
-            methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B))
+            methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B,
+                                  label=f"mlx-lm · speculative k={B - 1}"))
     return methods
+
+
+# What the report calls a drafter of each kind (`DFlashDraftModel.kind`).
+DRAFTER_KINDS = {"v1": "v1", "dflash2": "DFlash 2"}
+
+
+def drafter_names(drafters: list[tuple[str, object]]) -> dict[str, str]:
+    """The name each drafter goes by on the report, by its label: its kind ("v1", "DFlash 2"), numbered where
+    several share one ("DFlash 2 (1)", "DFlash 2 (2)"); the report's header gives each name's drafter once."""
+    kinds = [DRAFTER_KINDS.get(drafter.kind, drafter.kind) for _, drafter in drafters]
+    return {label: kind + (f" ({kinds[:i + 1].count(kind)})" if kinds.count(kind) > 1 else "")
+            for i, ((label, _), kind) in enumerate(zip(drafters, kinds))}
 
 
 def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
@@ -422,12 +393,13 @@ def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
 
 def peer_methods(peers: list, drafters: list[tuple[str, object]], block_sizes: list[int] | None) -> list[Method]:
     """A row per peer engine, drafter and block size of our fixed-block rows (the reference's greedy walk)."""
-    methods = []
+    methods, names = [], drafter_names(drafters)
     for peer in peers:
         drafter = dict(drafters)[peer.drafter_label]
         for B in fixed_block_sizes(drafter, block_sizes):
             methods.append(Method(f"{peer.engine} {peer.drafter_label} B={B}", "peer", drafter, B, "greedy",
-                                  peer.drafter_label, peer=peer.worker, note=peer.note))
+                                  peer.drafter_label, peer=peer.worker, note=peer.note,
+                                  label=f"{peer.engine} · {names[peer.drafter_label]} · B={B}"))
     return methods
 
 
@@ -458,6 +430,9 @@ def add_parser(sub) -> None:
     p.add_argument("--walk", action="append", choices=["greedy", "viterbi"],
                    help="DFlash 2 path walks to bench (repeatable; default both)")
     p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
+    p.add_argument("--wide", action="store_true",
+                   help="every column on the terminal (default: method, tok/s, vs mlx-lm, tau, lossless; the markdown "
+                   "and the JSON have them all)")
     p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
     p.add_argument("--compare", metavar="FILE",
                    help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
@@ -476,6 +451,10 @@ def add_parser(sub) -> None:
                    "cost curve (T = 0): the policies' decisions without timing noise")
     p.add_argument("--replay-traces", metavar="FILE",
                    help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
+    p.add_argument("--costs", metavar="FILE",
+                   help="with --replay: replay on the cost curve in this JSON file instead of this machine's (a costs "
+                   "cache such as ~/.cache/dflash2/costs.json, one {\"verify_s\": [...], \"draft_s\": [...]} "
+                   "object, or a replay report's \"costs\")")
     p.add_argument("--replay-jitter", type=int, default=0, metavar="N",
                    help="with --replay: also replay on N cost curves within +-3%% of the measured one and report "
                    "adaptive mode averaged over them (a single curve's decisions swing by several percent)")
@@ -496,6 +475,8 @@ def run(args) -> int:
         raise ValueError("--peer-python goes with --engines (the peer engines it runs)")
     if args.replay_jitter and not args.replay:
         raise ValueError("--replay-jitter goes with --replay (it replays the kept answers on perturbed curves)")
+    if args.costs and not args.replay:
+        raise ValueError("--costs goes with --replay (it replays the recorded answers on that cost curve)")
     if args.replay_jitter < 0:
         raise ValueError(f"--replay-jitter is a number of curves (0: none), got {args.replay_jitter}")
     peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
@@ -541,14 +522,16 @@ def run(args) -> int:
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
         "target": args.model or "SmolLM2-135M-Instruct (default)",
-        "drafters": [label for label, _ in drafters],
+        "drafters": [label for label, _ in drafters], "drafter_names": drafter_names(drafters),
         "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
-        "prompts": len(prompts), "suites": args.prompts, "trials": args.trials, "max_tokens": args.max_tokens,
-        "runtime": runtime_info(args.kernels), "engines": engines, "peer_python": peer_python if engines else None,
-        "command": command_line(args),
+        "prompts": len(prompts), "suites": args.prompts, "prompts_sha256": prompts_sha256(texts),
+        "trials": args.trials, "max_tokens": args.max_tokens, "runtime": runtime_info(args.kernels),
+        "engines": engines, "peer_python": peer_python if engines else None, "command": command_line(args),
+        **report_context(),  # the commit and the package version
+        "costs": report.pop("costs"),  # the cost curves (in plain steps) adaptive mode and ddtree budgets ran on
     }
     console = report_console()
-    markdown = render(report, console)
+    markdown = render(report, console, args.wide)
     if args.compare:
         report["compare"] = load_comparison(args.compare)
         markdown += render_comparison(report["compare"], report["results"], console)

@@ -1,5 +1,6 @@
 """`dflash2 bench --replay`: plain steps, fixed blocks and adaptive mode replayed on recorded drafts (T = 0),
-timed on this machine's measured cost curve: the policies' decisions without the clock's noise."""
+timed on this machine's measured cost curve (or on one read from a file: `--costs`): the policies' decisions
+without the clock's noise."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from dflash2_apps.bench_report import report_context
 from dflash2_apps.common import write_markdown
-from dflash2_mlx.adaptive import CostModel, load_or_measure_costs
+from dflash2_mlx.adaptive import CostModel, cost_key, load_or_measure_costs
 from dflash2_mlx.generate import block_policy, resolve_block_size
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.replay import Trace, record, replay
@@ -93,6 +95,68 @@ def load_traces(path: str | None) -> dict:
                          "--replay-traces path or delete it") from None
 
 
+# What `--costs` reads: one curve as `CostModel` holds it (the costs cache holds them by key).
+CURVE_SHAPE = ('{"verify_s": [seconds of a target forward over 1, 2, ... tokens], "draft_s": [seconds of a drafter '
+               'pass for a block of 2, 3, ...]}')
+
+
+def read_costs(path: str) -> dict[str, CostModel]:
+    """The cost curves in the JSON file `path`, by name: a costs cache (what `load_or_measure_costs` writes:
+    {cost key: curve}), a replay report (its "costs": {drafter: curve}), or a single curve (named "").
+
+    Args:
+        path: the file `--costs` names.
+
+    Raises:
+        ValueError: the file is not JSON, or a curve lacks a key or holds something else than seconds.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--costs {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--costs {path}: not JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("costs"), dict):  # a replay report
+        data = data["costs"]
+    if isinstance(data, dict) and {"verify_s", "draft_s"} & data.keys():
+        data = {"": data}
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"--costs {path}: expected a cost curve {CURVE_SHAPE}, or an object of them by name (as "
+                         "the costs cache keeps them)")
+    curves = {}
+    for name, curve in data.items():
+        where = f"--costs {path}" + (f", curve {name!r}" if name else "")
+        if not isinstance(curve, dict):
+            raise ValueError(f"{where}: expected a cost curve {CURVE_SHAPE}, got {json.dumps(curve)[:80]}")
+        for key in ("verify_s", "draft_s"):
+            if key not in curve:
+                raise ValueError(f"{where}: no {key!r} key; a cost curve is {CURVE_SHAPE}")
+            values = curve[key]
+            if not (isinstance(values, list) and values and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)):
+                raise ValueError(f"{where}: {key!r} must be a list of seconds (numbers > 0), got "
+                                 f"{json.dumps(values)[:80]}")
+        curves[name] = CostModel([float(v) for v in curve["verify_s"]], [float(v) for v in curve["draft_s"]])
+    return curves
+
+
+def pick_costs(curves: dict[str, CostModel], path: str, label: str, key: str, block_max: int) -> CostModel:
+    """The curve of `curves` (`read_costs(path)`) a drafter replays on: the only one, else the one under its cost
+    key (`cost_key`) or its label; it must cover the drafter's blocks (up to `block_max`)."""
+    if len(curves) == 1:
+        costs = next(iter(curves.values()))
+    elif key in curves or label in curves:
+        costs = curves[key] if key in curves else curves[label]
+    else:
+        raise ValueError(f"--costs {path} holds {len(curves)} curves and none is keyed by {label}'s cost key "
+                         f"({key!r}) or its label: keep the one to replay on alone in the file")
+    if len(costs.verify_s) < block_max or costs.block_max < block_max:
+        raise ValueError(f"--costs {path}: the curve covers blocks up to {min(len(costs.verify_s), costs.block_max)} "
+                         f"tokens ({len(costs.verify_s)} in 'verify_s', {len(costs.draft_s)} in 'draft_s'), {label} "
+                         f"replays blocks up to {block_max}: it needs {block_max} and {block_max - 1}")
+    return costs
+
+
 def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) -> int:
     """`bench --replay`: per drafter and prompt, each fixed block's and adaptive mode's committed tokens per
     second relative to plain steps, replayed on the recorded greedy answer."""
@@ -100,6 +164,7 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         raise ValueError("--replay replays greedy answers (T = 0) only: drop --temp, or bench at T > 0 without it")
     if args.walk and len(args.walk) > 1:
         raise ValueError("--replay replays one walk at a time: give one --walk")
+    given = read_costs(args.costs) if args.costs else None  # a bad file fails here, before any recording
     known = load_traces(args.replay_traces)
     asked = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
     walk = (args.walk or ["greedy"])[0]
@@ -110,10 +175,14 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         block_max = resolve_block_size(drafter, None, "adaptive")
         fixed = sorted({resolve_block_size(drafter, B) for B in asked if B <= block_max} or
                        {resolve_block_size(drafter, None)})
-        costs = load_or_measure_costs(target, drafter, block_max)
+        if given:
+            costs = pick_costs(given, args.costs, label, cost_key(target, drafter, block_max), block_max)
+        else:
+            costs = load_or_measure_costs(target, drafter, block_max)
         curves[label] = asdict(costs)
         sizes = sorted({*fixed, block_max})
-        lines += [f"{label} replayed at T = 0 on this machine's cost curve (target forward over n tokens / one "
+        source = f"the cost curve in {args.costs}" if given else "this machine's cost curve"
+        lines += [f"{label} replayed at T = 0 on {source} (target forward over n tokens / one "
                   f"plain step: {' '.join(f'{r:.2f}' for _, r in costs.curve())}; drafter pass "
                   f"{costs.draft_s[0] / costs.verify_s[0]:.2f}-{costs.draft_s[-1] / costs.verify_s[0]:.2f} steps): "
                   "committed tokens per second relative to plain steps, the same answers for every policy, the "
@@ -154,5 +223,7 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
     print(text)
     write_markdown(args, text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked, "costs": curves}, indent=1))
+        context = {**report_context(), "costs_file": args.costs}  # the curves themselves: "costs"
+        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked, "costs": curves,
+                                               "context": context}, indent=1))
     return 0

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import io
 import json
+import os
+import random
+import subprocess
 import sys
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from rich.cells import cell_len
+from rich.console import Console
 
 import dflash2_mlx.sampling as sampling
-from dflash2_apps.bench import Method, Run, accepted_per_cycle, per_prompt_rows
+from dflash2_apps.bench import (Method, Run, accepted_per_cycle, add_cycle_parts, drafter_names, methods_for,
+                                per_prompt_rows, summarize)
+from dflash2_apps.bench_report import (COLUMNS, adaptive_summary, render, render_per_prompt, repetition_share,
+                                       source_commit)
 from dflash2_apps.cli import main
+from dflash2_mlx.adaptive import CostModel, FixedBlocks
 from dflash2_mlx.prompts import load_suite
+from dflash2_mlx.replay import Trace, replay
 
 ROW_FIELDS = {
     "method", "kind", "drafter", "block_size", "walk", "temperature", "generation_tps_median", "generation_tps_min",
@@ -49,6 +62,22 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     assert {r["temperature"] for r in rows} == {0, 1}
     ctx = report["context"]
     assert ctx["runtime"]["backend"] in ("cpu", "metal") and ctx["dtype"] == "float32" and ctx["trials"] == 1
+    # the code that made it: the package's version, and the commit of this checkout (a commit git knows: HEAD may
+    # have moved on since, in a tree others commit to)
+    assert ctx["version"] == importlib.metadata.version("dflash2-mlx")
+    commit = ctx["commit"].removesuffix("-dirty")
+    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=os.path.dirname(__file__))
+    assert known.returncode == 0, commit
+    # the prompts it ran (the first two of the math suite), and the cost curves adaptive mode decided on: the
+    # measured ones in the costs cache, in plain steps
+    assert ctx["prompts_sha256"] == hashlib.sha256(json.dumps(load_suite("math", 2)).encode()).hexdigest()
+    cached = json.loads(open(os.environ["DFLASH2_COSTS"]).read()).values()
+    assert {c["drafter"] for c in ctx["costs"]} == {"drafter", "drafter#2"} and "costs" not in report
+    for c in ctx["costs"]:
+        assert any(c["step_s"] == k["verify_s"][0] and c["draft_steps"] == [s / c["step_s"] for s in k["draft_s"]]
+                   and c["verify_steps"] == [s / c["step_s"] for s in k["verify_s"]] for k in cached), c
+    assert ctx["drafter_names"] == {"drafter": "v1", "drafter#2": "DFlash 2"}
+    assert {r["label"] for r in rows} >= {"v1 · adaptive", "v1 · B=4", "DFlash 2 · B=8 viterbi", "mlx-lm", "plain"}
     md = (tmp_path / "b.md").read_text()
     assert "| method | T | tok/s" in md and "accepted by position" in md
     # the report opens with the command that made it (shell-quoted), the JSON keeps it too
@@ -179,7 +208,8 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
 
     from dflash2_apps.bench_report import render_per_prompt
     md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200)))
-    assert "| 0 | 1 | 100 | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
+    # every answer here is one token said 100 times: 92 of its 93 8-grams occurred earlier in it
+    assert "| 0 | 1 | 100 | 99% | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
     assert "mlx-lm vs plain (the same work) per prompt 0.95-1.05x" in md
     assert "shorter than" not in md  # no max_tokens given: nothing to compare the answers' lengths with
     assert "shorter than" not in "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200), 100))
@@ -187,7 +217,7 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
     rows = per_prompt_rows([same, plain, adaptive, b3], table, 0.0)
     assert [r["tokens"] for r in rows] == [100, 95.5]
     md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200), 100))
-    assert "| 0 | 2 | 95.5 | d |" in md
+    assert "| 0 | 2 | 95.5 | 99% | d |" in md
     assert "answers shorter than --max-tokens 100 (they ended at EOS): prompt 2 95.5 tokens" in md
 
     table["plain"][1][0] = None  # a trial without a plain run has no range
@@ -195,6 +225,199 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
     without = per_prompt_rows([plain, adaptive, b3], table, 0.0)  # no mlx-lm: no noise band
     assert without[0]["same_work_vs_plain"] is None
     assert "mlx-lm vs plain" not in "\n".join(render_per_prompt(without, Console(file=io.StringIO(), width=200)))
+
+
+def brute_force_share(tokens: list[int], n: int = 8) -> float:
+    """repetition_share counted the slow way: each window against every earlier one."""
+    grams = [tokens[i:i + n] for i in range(len(tokens) - n + 1)]
+    return sum(any(grams[j] == grams[i] for j in range(i)) for i in range(len(grams))) / len(grams) if grams else 0.0
+
+
+def test_repetition_share_is_the_share_of_8_grams_that_occurred_earlier_in_the_answer():
+    sentence = list(range(10, 20))  # 10 distinct tokens, said 5 times: 43 windows, the first 10 new
+    assert repetition_share(sentence * 5) == pytest.approx(33 / 43) and brute_force_share(sentence * 5) == 33 / 43
+    assert repetition_share(list(range(50))) == 0.0 == brute_force_share(list(range(50)))
+    once = list(range(1, 9)) + [99] + list(range(1, 9))  # one 8-gram said twice: 10 windows, 1 seen before
+    assert repetition_share(once) == pytest.approx(0.1) == brute_force_share(once)
+    assert repetition_share([5] * 7) == 0.0  # shorter than an 8-gram: nothing to repeat
+    rng = random.Random(0)
+    for size in (8, 9, 30, 60):
+        for alphabet in (2, 3, 40):
+            tokens = [rng.randrange(alphabet) for _ in range(size)]
+            assert repetition_share(tokens) == pytest.approx(brute_force_share(tokens)), tokens
+
+
+def test_the_summary_gives_adaptive_mode_over_every_prompt_and_over_the_loop_free_ones():
+    plain, adaptive, b3 = (Method("plain", "plain"), Method("d adaptive", "adaptive", drafter_label="d"),
+                           Method("d B=3", "dflash", block_size=3, drafter_label="d"))
+    answers = [list(range(100)), [1, 2, 3, 4, 5] * 20, list(range(1000, 1100))]  # prompt 2's answer is a loop
+
+    def runs(*tps):  # two trials of the three prompts, at these rates on prompts 1, 2 and 3
+        return [[Run(list(a), t, 1.0, 0.1, 1.0) for a, t in zip(answers, tps)] for _ in range(2)]
+
+    table = {"plain": runs(10, 10, 10), "d adaptive": runs(12, 30, 9), "d B=3": runs(11, 25, 8)}
+    rows = per_prompt_rows([plain, adaptive, b3], table, 0.0)
+    assert [r["repeat"] for r in rows] == pytest.approx([0.0, 88 / 93, 0.0])  # 5 of prompt 2's 93 8-grams new
+    summary = adaptive_summary([plain, adaptive, b3], table, rows)
+    # every prompt: 600 tokens in 2 x (100/12 + 100/30 + 100/9) s, against plain's 600 in 60 s; loop-free: 1 and 3
+    every, loop_free = 600 / (2 * (100 / 12 + 100 / 30 + 100 / 9)) / 10, 400 / (2 * (100 / 12 + 100 / 9)) / 10
+    assert summary == [{"temperature": 0.0, "drafter": "d", "prompts": 3, "vs_plain": pytest.approx(every),
+                        "loop_free_prompts": 2, "loop_free_vs_plain": pytest.approx(loop_free), "loop_share": 0.5,
+                        "in_loop": [{"prompt": 2, "repeat": pytest.approx(88 / 93)}]}]
+    md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=100), 100, summaries=summary))
+    assert (f"d · adaptive: {every:.2f}x of plain (loop-free prompts: {loop_free:.2f}x, 2 of 3; left out, their "
+            "answers in a loop: prompt 2 95% repeated); quote the loop-free figure") in md
+    assert every == pytest.approx(1.317, abs=1e-3) and loop_free == pytest.approx(1.029, abs=1e-3)
+    assert "| 0 | 2 | 100 | 95% | d |" in md
+    # no answer in a loop: the two figures are one, and nothing is left out
+    table["d adaptive"] = [[Run(list(range(100 * p, 100 * p + 100)), 12, 1.0, 0.1, 1.0) for p in range(3)]] * 2
+    rows = per_prompt_rows([plain, adaptive, b3], table, 0.0)
+    md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=100), 100,
+                                     summaries=adaptive_summary([plain, adaptive, b3], table, rows)))
+    assert "d · adaptive: 1.20x of plain (loop-free prompts: 1.20x, 3 of 3)\n" in md
+
+
+def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
+    """What `dflash2 bench --quick` reports with the bundled drafters (their names, their blocks: v1 at B=8,
+    DFlash 2 at B=5 with both walks), built from made-up runs of 2 prompts x 1 trial x 24 tokens per temperature;
+    prompt 2's answers are a loop."""
+    v1 = SimpleNamespace(kind="v1", config=SimpleNamespace(block_size=8), walks=("greedy",), default_block_cap=None)
+    v2 = SimpleNamespace(kind="dflash2", config=SimpleNamespace(block_size=8), walks=("greedy", "viterbi"),
+                         default_block_cap=5)
+    drafters = [("smollm2-135m-dflash-b8", v1), ("smollm2-135m-dflash2-b8", v2)]
+    methods = methods_for(drafters, None, False)
+    answers = [list(range(100, 124)), [7, 8, 9] * 8]
+    report = {"results": [], "per_prompt": [], "adaptive_summary": [], "shadow_calibration": [], "errors": [],
+              "sample_output": {"temperature": 0.0, "text": "In a 7-hour shift, the baker makes"}}
+    for temp in temps:
+        runs = {}
+        for i, m in enumerate(methods):
+            drafts = m.kind in ("dflash", "adaptive")
+            runs[m.name] = [[Run(list(a), 5.0 + i + p, 60.0, 1.0, 0.83, [1, 0, 2] if drafts else [],
+                                 12 if m.kind == "adaptive" else 0, [0.25, 0.26] if drafts else [])
+                             for p, a in enumerate(answers)]]
+        for m in methods:
+            row = summarize(m, runs[m.name], 5.5)
+            row.update(temperature=temp, lossless=True if temp == 0 else None)
+            add_cycle_parts(row, [(0.024, 0.24)] if m.kind == "dflash" else [])
+            report["results"].append(row)
+        rows = per_prompt_rows(methods, runs, temp)
+        report["per_prompt"] += rows
+        report["adaptive_summary"] += adaptive_summary(methods, runs, rows)
+    report["context"] = {
+        "target": "SmolLM2-135M-Instruct (default)", "drafters": [d for d, _ in drafters],
+        "drafter_names": drafter_names(drafters), "dtype": "float32", "prompts": 2, "suites": "math", "trials": 1,
+        "max_tokens": 24, "commit": "665b953-dirty", "version": "0.1.0",
+        "runtime": {"mlx": "0.32.4", "backend": "cpu", "blas": "openblas", "kernels": "pure-MLX",
+                    "machine": "Linux x86_64", "python": "3.12.3"},
+        "costs": [{"drafter": d, "step_s": 0.1, "block_size": 8, "tree_budget": None,
+                   "verify_steps": [1.0, 1.27, 1.7, 1.7, 1.7, 1.77, 1.77, 1.77], "draft_steps": [0.2] * 7}
+                  for d, _ in drafters]}
+    return report
+
+
+@pytest.mark.parametrize("temps", [(0.0,), (0.0, 1.0)])
+def test_the_report_reads_at_a_glance_in_100_columns(temps):
+    """Labels that say what ran, the drafters' names once (in the header), the first columns only: in 100
+    columns every row of every table is one line, and nothing is cut short."""
+    report = quick_shaped_report(temps)
+    console = Console(width=100, record=True, file=io.StringIO())
+    md = render(report, console)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert max(cell_len(line) for line in lines) <= 100 and "…" not in text
+    labels = [r["label"] for r in report["results"]]
+    assert labels == ["mlx-lm", "plain", "v1 · adaptive", "v1 · B=8", "DFlash 2 · adaptive",
+                      "DFlash 2 · B=5 greedy", "DFlash 2 · B=5 viterbi"] * len(temps)
+    rows = [line for line in lines if line.startswith("│")]  # the body rows of every table
+    assert len(rows) == len(report["results"]) + len(report["per_prompt"]) == 11 * len(temps)
+    for label in set(labels):
+        assert sum(line.startswith(f"│ {label} ") for line in rows) == len(temps), label
+    assert text.count("smollm2-135m-dflash-b8") == text.count("smollm2-135m-dflash2-b8") == 1
+    assert "drafters: v1 = smollm2-135m-dflash-b8, DFlash 2 = smollm2-135m-dflash2-b8" in text
+    head = next(line for line in lines if "method" in line)
+    columns = [c.strip() for c in head.strip("┃ ").split("┃")]
+    assert columns == ["method", *(["T"] if len(temps) > 1 else []), "tok/s", "vs mlx-lm", "tau", "lossless"]
+    # DFlash 2 adaptive: 48 tokens in 24/9 + 24/10 s, plain in 24/6 + 24/7 s; prompt 1 alone: 9 against 6 tok/s
+    assert ("1.47x of plain (loop-free prompts: 1.50x, 1 of 2; left out, their answers in a loop: prompt 2 82% "
+            "repeated)") in " ".join(line.strip() for line in lines)
+    assert "0.1.0 (665b953-dirty)" in lines[0] and lines[-1].startswith("mlx-lm output of prompt 1 (T=0): In a 7")
+    # the markdown has every column, and the per-prompt repeat
+    assert "| " + " | ".join(COLUMNS) + " |" in md and "| 0 | 2 | 24 | 82% | DFlash 2 |" in md
+    # --wide: the rest of the columns too, nothing cut short (in 140 columns, rows still one line)
+    console = Console(width=140, record=True, file=io.StringIO())
+    render(report, console, wide=True)
+    text = console.export_text()
+    assert "TTFT s" in text and "accepted by position" in text and "…" not in text
+    assert sum(line.startswith("│ DFlash 2 · B=5 viterbi ") for line in text.splitlines()) == 2 * len(temps)
+
+
+def test_drafters_go_by_their_kind_numbered_where_several_share_one():
+    v1, v2 = SimpleNamespace(kind="v1"), SimpleNamespace(kind="dflash2")
+    assert drafter_names([("a", v2), ("b", v1), ("c", v2)]) == {"a": "DFlash 2 (1)", "b": "v1", "c": "DFlash 2 (2)"}
+    assert drafter_names([("a", v2), ("b", v1)]) == {"a": "DFlash 2", "b": "v1"}
+
+
+def test_the_report_names_the_commit_it_was_made_from(tmp_path):
+    """`git describe --always --dirty` of the checkout, None outside one or in a folder the checkout ignores."""
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path / "repo",
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    assert source_commit(tmp_path) is None  # no checkout
+    (tmp_path / "repo" / "venv").mkdir(parents=True)
+    git("init", "-q")
+    (tmp_path / "repo" / ".gitignore").write_text("venv/\n")
+    git("add", ".gitignore")
+    git("commit", "-qm", "one")
+    commit = source_commit(tmp_path / "repo")
+    assert git("rev-parse", commit) == git("rev-parse", "HEAD") and not commit.endswith("-dirty")
+    (tmp_path / "repo" / ".gitignore").write_text("venv/\nbuild/\n")
+    assert source_commit(tmp_path / "repo") == commit + "-dirty"
+    assert source_commit(tmp_path / "repo" / "venv") is None  # a package installed into the checkout's venv
+
+
+def test_replay_on_a_cost_curve_read_from_a_file(tiny_pair, tmp_path, capsys):
+    target, drafter = tiny_pair
+    suite, out, traces = tmp_path / "prompts.jsonl", tmp_path / "replay.json", tmp_path / "traces.json"
+    suite.write_text(json.dumps({"prompt": "w1 w2 w3 w4"}) + "\n")
+    curve = {"verify_s": [0.1 + 0.01 * n for n in range(8)], "draft_s": [0.02] * 7}  # the drafter's blocks: to 8
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"another machine's cost key": curve}))  # the costs cache's shape
+    args = ["bench", "--model", str(target), "--draft-model", str(drafter), "--replay", "--prompts", str(suite),
+            "--num-prompts", "1", "--max-tokens", "16", "--block-sizes", "3", "--replay-traces", str(traces),
+            "--json", str(out)]
+    assert main([*args, "--costs", str(costs)]) == 0
+    report = json.loads(out.read_text())
+    assert report["costs"] == {"drafter": curve} and report["context"]["costs_file"] == str(costs)
+    assert (f"drafter replayed at T = 0 on the cost curve in {costs} (target forward over n tokens / one plain step: "
+            "1.00 1.10 1.20 1.30 1.40 1.50 1.60 1.70; drafter pass 0.20-0.20 steps)") in capsys.readouterr().out
+    kept = next(iter(json.loads(traces.read_text()).values()))
+    trace, model = Trace(kept["tokens"], {int(B): d for B, d in kept["drafts"].items()}), CostModel(**curve)
+    assert report["replay"][0]["fixed"]["3"] == pytest.approx(replay(trace, FixedBlocks(3), model, 16).tokens_per_s
+                                                              * model.verify_s[0])
+
+    def refused(content: str, error: str) -> None:
+        costs.write_text(content)
+        assert main([*args, "--costs", str(costs)]) == 2
+        assert error in capsys.readouterr().err
+
+    refused(json.dumps({"key": {"verify_s": curve["verify_s"]}}),
+            f"--costs {costs}, curve 'key': no 'draft_s' key; a cost curve is {{\"verify_s\": [seconds of a target "
+            "forward over 1, 2, ... tokens], \"draft_s\": [seconds of a drafter pass for a block of 2, 3, ...]}")
+    refused(json.dumps({"verify_s": curve["verify_s"], "draft_s": [0.02, "fast"]}),
+            f"--costs {costs}: 'draft_s' must be a list of seconds (numbers > 0), got [0.02, \"fast\"]")
+    refused("{not json", f"--costs {costs}: not JSON (")
+    refused(json.dumps({"verify_s": [0.1, 0.11], "draft_s": [0.02]}),
+            f"--costs {costs}: the curve covers blocks up to 2 tokens (2 in 'verify_s', 1 in 'draft_s'), drafter "
+            "replays blocks up to 8: it needs 8 and 7")
+    refused(json.dumps({"one": curve, "two": curve}), f"--costs {costs} holds 2 curves and none is keyed by drafter's")
+    assert main(["bench", "--model", str(target), "--costs", str(costs)]) == 2
+    assert "--costs goes with --replay" in capsys.readouterr().err
+    assert main([*args, "--costs", str(tmp_path / "nope.json")]) == 2
+    assert f"--costs {tmp_path / 'nope.json'}: no such file" in capsys.readouterr().err
+    # a replay report's curves (by drafter label) are a curve file too
+    assert main([*args, "--costs", str(out)]) == 0 and json.loads(out.read_text())["costs"] == {"drafter": curve}
 
 
 def test_prompt_suites(tmp_path):
