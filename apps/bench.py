@@ -528,7 +528,7 @@ def run(args) -> int:
         "trials": args.trials, "max_tokens": args.max_tokens, "runtime": runtime_info(args.kernels),
         "engines": engines, "peer_python": peer_python if engines else None, "command": command_line(args),
         **report_context(),  # the commit and the package version
-        "costs": report.pop("costs"),  # the cost curves (in plain steps) adaptive mode and ddtree budgets ran on
+        "costs": report["costs"],  # the cost curves (in plain steps) adaptive mode and ddtree budgets ran on
     }
     console = report_console()
     markdown = render(report, console, args.wide)

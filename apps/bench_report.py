@@ -310,14 +310,17 @@ def render(report: dict, console=None, wide: bool = False) -> str:
             md.append(f"\n{labels[r['method']]} T={r['temperature']:g} accepted by position "
                       f"1..{len(r['acceptance_by_position'])}: {profile}")
     for c in ctx.get("costs", report.get("costs", [])):
-        line = (f"cost curve with {names.get(c['drafter'], c['drafter'])} (target forward over n tokens / one plain "
-                "step, n = 1..): " + " ".join(f"{x:.2f}" for x in c["verify_steps"])
-                + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
-                f"{1000 * c['step_s']:.0f} ms"
-                + (f"; default tree budget at B={c['block_size']}: {c['tree_budget']} nodes"
-                   if c.get("tree_budget") else ""))
-        console.print(line, markup=False, highlight=False)
-        md.append(f"\n{line}")
+        name = names.get(c["drafter"], c["drafter"])
+        lines = [f"cost curve with {name} (target forward over n tokens / one plain step, n = 1..): "
+                 + " ".join(f"{x:.2f}" for x in c["verify_steps"])
+                 + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
+                 f"{1000 * c['step_s']:.0f} ms"]
+        if c.get("tree_budget"):  # a line of its own: the curve's line wraps on a narrow terminal
+            lines.append(f"default tree budget at B={c['block_size']}: {c['tree_budget']} nodes (from the cost curve "
+                         f"with {name})")
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+            md.append(f"\n{line}")
     sample = report.get("sample_output")
     if sample:
         text = " ".join(sample["text"].split())
