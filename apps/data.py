@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from dflash2_mlx.formats.vocab import COUNTS_FILE, token_counts
-from dflash2_mlx.train.data import DataSettings, build, read_shards
+from dflash2_mlx.train.data import ENGINES, DataSettings, build, read_shards
 
 
 def add_parser(sub) -> None:
@@ -28,12 +28,15 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch-size", type=int, default=d.batch_size,
                    help="responses decoded at once (continuous batching; may change between runs)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="what decodes the responses: torch (bfloat16, greedy) where the CPU has avx512_bf16 or AMX "
+                   "and PyTorch is installed, MLX elsewhere (auto); a folder keeps the engine it was started with")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     settings = DataSettings(args.model, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens,
-                            args.temp, args.seed, args.batch_size)
+                            args.temp, args.seed, args.batch_size, args.engine)
     out = build(args.out, settings)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
     samples = read_shards(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -39,28 +39,72 @@ class DataSettings:
     temperature: float = 0.0
     seed: int = 0
     batch_size: int = 16
+    engine: str = "mlx"  # what decodes the responses: "mlx" or "torch" (see `pick_engine`)
+
+
+ENGINES = ("auto", "mlx", "torch")
+
+
+def pick_engine(engine: str, temperature: float, model) -> str:
+    """The engine that decodes a data set's responses on this machine.
+
+    "auto" takes PyTorch where the CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX), torch is installed, the
+    responses are greedy and `torch_engine.supported` runs the target; MLX elsewhere (and always on Metal).
+
+    Args:
+        engine (str): "auto", "mlx" or "torch".
+        temperature (float): the responses' sampling temperature.
+        model: the loaded target.
+    """
+    from .torch_engine import cpu_has_fast_bf16, supported, torch_available
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "torch":
+        if not torch_available():
+            raise ValueError("--engine torch needs PyTorch: pip install torch (or use --engine mlx)")
+        if temperature != 0:
+            raise ValueError("the torch engine decodes greedily: use --temp 0 or --engine mlx")
+        return engine
+    if engine == "auto":
+        fast = not mx.metal.is_available() and cpu_has_fast_bf16() and torch_available()
+        if fast and temperature == 0 and supported(model):
+            return "torch"
+        return "mlx"
+    return engine
 
 
 # Settings that only say how much or how fast: a data folder may be grown (more prompts) or resumed with
 # another batch size. Every other setting defines what a sample is, and must match the folder's.
 GROWABLE = ("num_prompts", "batch_size")
+# Settings a folder written before they existed holds implicitly.
+IMPLICIT = {"engine": "mlx"}
 SHARD_BATCHES = 4
 
 
 def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, progress: bool = True) -> Path:
-    """Generate (or resume, or grow) the data set in `out`. `model`/`tokenizer` default to loading
-    `settings.target`. Each run's throughput is appended to `data.json` (`runs`)."""
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
+    """Generate (or resume, or grow) the data set in `out`.
+
+    Each run's throughput is appended to `data.json` (`runs`).
+
+    Args:
+        out (str | Path): the data folder.
+        settings (DataSettings): what to generate; `engine` may be "auto" (resolved by `pick_engine`).
+        model, tokenizer: the target; loaded from `settings.target` when None.
+        progress (bool): show a progress bar.
+    """
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    if model is None:
+        model, tokenizer = load_target(settings.target)
+    settings = replace(settings, engine=pick_engine(settings.engine, settings.temperature, model))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "data.json"
     meta = {"settings": asdict(settings), "heldout_every": HELDOUT_EVERY, "runs": []}
     if meta_path.exists():
         meta = {**meta, **json.loads(meta_path.read_text())}
-        recorded = meta["settings"]
+        recorded = {**IMPLICIT, **meta["settings"]}
         differ = {k: (recorded.get(k), v) for k, v in asdict(settings).items()
                   if k not in GROWABLE and recorded.get(k) != v}
         if differ:
@@ -73,9 +117,6 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     meta_path.write_text(json.dumps(meta, indent=2))
     done = {s.id for s in read_shards(out)}
     shard_index = len(list(out.glob("shard-*.npz")))
-    if model is None:
-
-        model, tokenizer = load_target(settings.target)
 
     def todo() -> Iterator[tuple[str, list[int], bool]]:
         taken = 0
@@ -89,39 +130,61 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
             if cid not in done:
                 yield cid, ids, is_heldout(index)
 
-    sampler = make_sampler(settings.temperature)
-    eos = next(iter(tokenizer.eos_token_ids))
     pending = list(todo())
-    total_new = len(pending)
-    tic, generated, run = time.perf_counter(), 0, len(meta["runs"])
+    decode = _torch_responses if settings.engine == "torch" else _mlx_responses
+    shard_size = SHARD_BATCHES * settings.batch_size
+    tic, generated, answered, run = time.perf_counter(), 0, 0, len(meta["runs"])
     with Progress(TextColumn("[bold]data"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
                   TextColumn("{task.fields[tps]:.0f} tok/s"), TimeRemainingColumn(), disable=not progress) as bar:
-        task = bar.add_task("data", total=total_new, tps=0.0)
-        # A shard holds SHARD_BATCHES batches' worth of prompts, decoded `batch_size` at a time by mlx-lm's
-        # continuous batching: a finished response's slot is refilled at once instead of idling until the
-        # batch's longest response ends.
-        shard_size = SHARD_BATCHES * settings.batch_size
-        for start in range(0, len(pending), shard_size):
-            batch = pending[start : start + shard_size]
-            mx.random.seed(settings.seed + shard_index)
-            result = batch_generate(model, tokenizer, [ids for _, ids, _ in batch],
-                                    max_tokens=settings.max_new_tokens, return_token_ids=True, sampler=sampler,
-                                    completion_batch_size=settings.batch_size)
-            samples = []
-            for (cid, ids, heldout), response in zip(batch, result.token_ids):
-                if len(response) < settings.max_new_tokens:  # it stopped at EOS, which batch_generate drops
-                    response = list(response) + [eos]
-                samples.append(Sample(cid, np.array(ids + list(response), np.int32), len(ids), heldout))
-                generated += len(response)
-            write_shard(out / f"shard-{shard_index:05d}.npz", samples)
-            shard_index += 1
-            bar.update(task, advance=len(batch), tps=generated / (time.perf_counter() - tic))
-            meta["runs"][run:] = [_throughput(settings.batch_size, start + len(batch), generated, time.perf_counter() - tic)]
-            meta_path.write_text(json.dumps(meta, indent=2))
+        task = bar.add_task("data", total=len(pending), tps=0.0)
+        samples = []
+        for n, (index, response) in enumerate(decode(model, tokenizer, pending, settings, shard_index), 1):
+            cid, ids, heldout = pending[index]
+            samples.append(Sample(cid, np.array(ids + list(response), np.int32), len(ids), heldout))
+            generated += len(response)
+            if len(samples) == shard_size or n == len(pending):
+                write_shard(out / f"shard-{shard_index:05d}.npz", samples)
+                shard_index, answered, samples = shard_index + 1, answered + len(samples), []
+                seconds = time.perf_counter() - tic
+                bar.update(task, completed=answered, tps=generated / seconds)
+                meta["runs"][run:] = [_throughput(settings, answered, generated, seconds)]
+                meta_path.write_text(json.dumps(meta, indent=2))
     return out
 
 
-def _throughput(batch_size: int, prompts: int, tokens: int, seconds: float) -> dict:
+def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
+    """(index into `pending`, response ids) by mlx-lm's `batch_generate`, a shard's worth of prompts at a time.
+
+    `batch_generate` drops the EOS that ends a response: it is put back, so a sample says where the answer stopped.
+    """
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(settings.temperature)
+    eos = next(iter(tokenizer.eos_token_ids))
+    shard_size = SHARD_BATCHES * settings.batch_size
+    for start in range(0, len(pending), shard_size):
+        batch = pending[start : start + shard_size]
+        mx.random.seed(settings.seed + shard_index + start // shard_size)
+        result = batch_generate(model, tokenizer, [ids for _, ids, _ in batch], max_tokens=settings.max_new_tokens,
+                                return_token_ids=True, sampler=sampler, completion_batch_size=settings.batch_size)
+        for i, response in enumerate(result.token_ids):
+            response = list(response)
+            if len(response) < settings.max_new_tokens:
+                response.append(eos)
+            yield start + i, response
+
+
+def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
+    """(index into `pending`, response ids), greedy, by `torch_engine.generate_greedy` in finishing order."""
+    from .torch_engine import generate_greedy
+
+    yield from generate_greedy(model, [ids for _, ids, _ in pending], settings.max_new_tokens,
+                               tokenizer.eos_token_ids, slots=settings.batch_size,
+                               max_prompt_tokens=settings.max_prompt_tokens)
+
+
+def _throughput(settings: DataSettings, prompts: int, tokens: int, seconds: float) -> dict:
     """One run's throughput so far (rewritten after every shard, so an interrupted run still counts)."""
-    return {"batch_size": batch_size, "prompts": prompts, "response_tokens": tokens, "seconds": round(seconds, 1),
-            "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}
+    return {"engine": settings.engine, "batch_size": settings.batch_size, "prompts": prompts,
+            "response_tokens": tokens, "seconds": round(seconds, 1), "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}

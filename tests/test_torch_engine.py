@@ -1,0 +1,90 @@
+"""The PyTorch data engine: its logits and greedy responses against mlx-lm's, and how `dflash2 data` picks it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from conftest import make_target
+from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
+from dflash2_mlx.train.torch_engine import cpu_has_fast_bf16, generate_greedy, supported
+
+torch = pytest.importorskip("torch")
+
+ZEN4 = "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+XEON_AMX = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8\n"
+ZEN2 = "flags\t\t: fpu sse2 avx2 fma\n"
+
+
+def test_fast_bf16_is_read_off_the_cpu_flags():
+    assert cpu_has_fast_bf16(ZEN4) and cpu_has_fast_bf16(XEON_AMX)
+    assert not cpu_has_fast_bf16(ZEN2)
+    assert not cpu_has_fast_bf16("flags\t\t: avx512_bf16x\n")  # a whole flag, not a prefix
+
+
+def mlx_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_new):
+        out.append(int(token))
+        if token == eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_responses_are_mlx_lms_greedy_ones(arch):
+    """Continuous batching over fewer slots than prompts, prompts of different lengths: each response is mlx-lm's
+    greedy continuation token for token (float32), so the cache, masks, positions and slot refills are right."""
+    model = make_target(arch, seed=5)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 9, 30, 3)]
+    eos = 7
+    got = dict(generate_greedy(model, prompts, 24, [eos], slots=2, max_prompt_tokens=32, dtype="float32"))
+    assert sorted(got) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert got[i] == mlx_greedy(model, prompt, 24, eos), f"prompt {i}"
+
+
+def test_bfloat16_responses_mostly_follow_float32():
+    """bfloat16 matmuls change near-ties only: the first tokens of most responses agree with float32's."""
+    model = make_target("llama", seed=6)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, size=12).tolist() for _ in range(8)]
+    exact = dict(generate_greedy(model, prompts, 8, [], slots=4, max_prompt_tokens=16, dtype="float32"))
+    fast = dict(generate_greedy(model, prompts, 8, [], slots=4, max_prompt_tokens=16))
+    same_first = sum(exact[i][:2] == fast[i][:2] for i in range(8))
+    assert same_first >= 6, (exact, fast)
+
+
+def test_unsupported_targets_and_settings_are_refused(monkeypatch):
+    assert supported(make_target("llama")) and not supported(make_target("qwen3"))
+    assert not supported(make_target("llama_swa"))
+    with pytest.raises(ValueError, match="use --engine mlx"):
+        list(generate_greedy(make_target("qwen3"), [[1, 2]], 4, []))
+    with pytest.raises(ValueError, match="greedily"):
+        pick_engine("torch", 0.7, make_target("llama"))
+    with pytest.raises(ValueError, match="engine must be one of"):
+        pick_engine("cuda", 0.0, make_target("llama"))
+    import dflash2_mlx.train.torch_engine as te
+
+    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: True)
+    assert pick_engine("auto", 0.0, make_target("llama")) == "torch"
+    assert pick_engine("auto", 0.7, make_target("llama")) == "mlx"
+    assert pick_engine("auto", 0.0, make_target("qwen3")) == "mlx"
+    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: False)
+    assert pick_engine("auto", 0.0, make_target("llama")) == "mlx"
+
+
+def test_a_folder_keeps_its_engine(tmp_path, tokenizer):
+    """`dflash2 data` with the torch engine writes shards; resuming with the MLX engine is refused, and a folder
+    written before the engine was recorded counts as MLX's."""
+    model = make_target("llama", seed=2)
+    settings = DataSettings(target="tiny", num_prompts=3, max_prompt_tokens=400, max_new_tokens=6, batch_size=2,
+                            engine="torch")
+    build(tmp_path / "d", settings, model, tokenizer, progress=False)
+    samples = read_shards(tmp_path / "d")
+    assert len(samples) == 3 and all(len(s.tokens) - s.prompt_len <= 6 for s in samples)
+    with pytest.raises(ValueError, match="engine: 'torch' there, 'mlx' here"):
+        build(tmp_path / "d", DataSettings(**{**settings.__dict__, "engine": "mlx"}), model, tokenizer, progress=False)
