@@ -13,8 +13,8 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_oracle, make_target, save_drafter
-from test_decode import prompts, run
+from helpers import COSTS, decide_on, make_dflash2_drafter, make_drafter, make_oracle, make_target, prompts, run, \
+    save_drafter
 
 import dflash2_mlx.adaptive as adaptive
 from dflash2_mlx import decode, generate
@@ -24,10 +24,6 @@ from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, draft_acceptance
 
 generate_module = importlib.import_module("dflash2_mlx.generate")  # the package exports a function of that name
-
-# SmolLM2-135M as once timed on the development CPU: a plain step 72 ms, 5 tokens 107 ms, 8 tokens 123 ms;
-# the drafter pass ~30 ms.
-COSTS = CostModel(verify_s=[0.072, 0.080, 0.088, 0.097, 0.107, 0.113, 0.118, 0.123], draft_s=[0.030] * 7)
 
 
 def brute_force_expected(acceptance: list[float], B: int) -> float:
@@ -440,20 +436,6 @@ def test_the_card_prior_seeds_the_policy(tmp_path, monkeypatch):
         policy = generate_module.block_policy(target, drafter, 4, "adaptive")
         assert policy.acceptance()[0] == pytest.approx((3 * prior[0] + 0.5) / 4)
         assert policy.next_block(None) == first
-
-
-def decide_on(monkeypatch, costs: CostModel) -> None:
-    """Adaptive generations decide as if on the machine `costs` describes: its measured costs, and every cycle
-    and plain step timed at exactly those costs (the tiny test models' own timings are all Python overhead,
-    and would make the decisions depend on this machine's load)."""
-    monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: costs)
-    cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
-    unverified = AdaptiveBlocks.observe_unverified
-    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
-                        lambda self, B, a, s: cycle(self, B, a, costs.passes_s(B, self.drafted_block(B))))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_unverified",
-                        lambda self, first, s: unverified(self, first, costs.passes_s(1, self.block_max)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0]))
 
 
 @pytest.fixture

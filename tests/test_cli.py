@@ -275,7 +275,7 @@ def test_info_unpacks_mlx_quantized_weights(bits):
 
 @pytest.mark.parametrize("bits", [3, 5, 6])
 def test_info_counts_a_quantized_drafter_as_its_source(tmp_path, bits):
-    from conftest import synthetic_checkpoint
+    from helpers import synthetic_checkpoint
 
     from dflash2_mlx.convert import convert
     from dflash2_mlx.formats.quantize import DraftQuant

@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import pytest
-from conftest import make_drafter, make_oracle, make_target
+from helpers import ARCHS, make_drafter, make_oracle, make_target, prompts, run
 
 from dflash2_mlx import generate, stream_cycles
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 
-ARCHS = ["qwen3", "llama", "qwen2", "llama_swa"]
 BLOCK_SIZES = list(range(2, 17))
 # The random drafter's cycles all end at their first draft, whatever B: a few sizes cover that path (one
 # cycle per token makes it most of the test's time); the oracle's varied acceptance runs at every size.
 RANDOM_DRAFTER_BLOCK_SIZES = [2, 3, 4, 8, 13, 16]
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, 250) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
-
-
-def run(model, tokenizer, prompt, drafter=None, **kw) -> tuple[list[int], list[int], str]:
-    kw.setdefault("verify_mode", "dflash" if drafter is not None else "off")
-    r = generate(model, tokenizer, prompt, drafter, **kw)
-    return r.tokens, r.accepted, r.finish_reason
 
 
 def assert_cycles_just_cover(accepted: list[int], B: int, max_tokens: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter, synthetic_checkpoint,
 )
 from mlx.utils import tree_flatten

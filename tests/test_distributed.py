@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
+from helpers import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
     save_tokenizer, target_config
 from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
@@ -362,7 +362,7 @@ def test_architectures_that_cannot_be_sharded_are_refused():
     import mlx.nn as nn
     from mlx_lm.models import qwen3
 
-    from conftest import _model_from_config
+    from helpers import model_from_config
 
     class ScaledQwen3Model(qwen3.Qwen3Model):  # another forward than qwen3's: not pipelined by dflash2
         def __call__(self, inputs, cache=None, input_embeddings=None):
@@ -373,7 +373,7 @@ def test_architectures_that_cannot_be_sharded_are_refused():
     with pytest.raises(ValueError, match=r"cannot shard qwen3 models pipeline-parallel .*not qwen3's or llama's.*"
                                          r"use --tensor-parallel"):
         check_shardable(scaled, "pipeline")
-    gemma, _ = _model_from_config(dict(target_config("qwen3"), model_type="gemma"))
+    gemma, _ = model_from_config(dict(target_config("qwen3"), model_type="gemma"))
     with pytest.raises(ValueError, match="cannot shard gemma models pipeline-parallel .*cannot shard this architecture"):
         check_shardable(gemma, "pipeline")
     with pytest.raises(ValueError, match="has a forward this version cannot pipeline"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
+from helpers import DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, DraftConfig, load_drafter

@@ -13,15 +13,11 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from conftest import OracleDrafter, drafter_config, make_target
+from helpers import COSTS, OracleDrafter, SiblingOracle, drafter_config, make_target, prompts, running, user
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model
-from test_adaptive import COSTS
-from test_decode import prompts
-from test_serve import running, user
-from test_tree import SiblingOracle
 
 from dflash2_mlx import lm
 from dflash2_mlx.loading import bind_drafter
@@ -112,7 +108,7 @@ def test_logprobs_are_the_processed_rows_in_every_mode(tokenizer, mode, monkeypa
 def test_per_token_responses_on_llama_and_the_hybrid(tokenizer, arch):
     """The per-token comparison on the llama fixture and the hybrid (GatedDeltaNet) one, whose rejected drafts
     are undone by rebuilding recurrent state: tokens and logprobs are mlx-lm's, from_draft the oracle's."""
-    from conftest import make_hybrid
+    from helpers import make_hybrid
 
     model = make_hybrid(arch, seed=3) if arch == "qwen3_5" else make_target(arch, seed=3)
     prompt = prompts(1, seed=13)[0]

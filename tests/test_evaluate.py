@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_target
+from helpers import make_dflash2_drafter, make_drafter, make_target
 
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_drafter, make_target
+from helpers import make_drafter, make_target
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import generate

@@ -7,7 +7,10 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_oracle
+from helpers import (
+    N, SETTINGS, V, chi_square, exact_distribution, make_dflash2_drafter, make_drafter, make_hybrid, make_oracle,
+    sample_sequences,
+)
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from dflash2_mlx import generate, stream_cycles
@@ -82,8 +85,6 @@ def test_recording_is_one_verify_pass(tokenizer):
 
 
 def test_speculative_sampling_follows_a_hybrid_target(tokenizer):
-    from test_sampling import N, SETTINGS, V, chi_square, exact_distribution, sample_sequences
-
     model = make_hybrid("qwen3_5", vocab=V, seed=21)
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
     params = SETTINGS["t0.7-topp0.9"]

@@ -11,7 +11,7 @@ import warnings
 
 import mlx.core as mx
 import pytest
-from conftest import make_dflash2_drafter, make_target
+from helpers import make_dflash2_drafter, make_target
 from metal_emulation import compiler, emulate
 
 from dflash2_mlx import generate, kernel_check, kernels

@@ -11,7 +11,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_target
+from helpers import make_dflash2_drafter, make_target
 from metal_emulation import EmulationError, compiler, emulate
 
 from dflash2_mlx import generate, kernels

@@ -168,3 +168,45 @@ def test_mlx_lm_is_patched_in_one_module():
     assert not wrong
     assert all(any(p in line for line in (ROOT / "dflash2_mlx" / "patches.py").read_text().splitlines())
                for p in PATCHING[:3])  # the patterns match how patches.py does it
+
+
+# -- the tests' own layout -------------------------------------------------------------------------------------
+
+
+def imports_of_test_modules(folder: Path) -> list[str]:
+    """`file:line: import` for every import of a test module (`test_*`, also as `tests.test_*`, `from tests import
+    test_x` or `from . import test_x`), at any depth, in the Python files of `folder`."""
+    def is_test_module(name: str) -> bool:
+        return name.startswith(("test_", "tests.test_"))
+
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [a.name for a in node.names] if node.module in (None, "tests") else [node.module]
+            else:
+                continue
+            if any(is_test_module(name) for name in names):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    """The tests' shared parts live in tests/helpers.py (their fixtures in conftest.py): a test module that imports
+    another runs the other's module-level code and collects its tests' names a second time, and ties the two
+    modules' edits together."""
+    wrong = imports_of_test_modules(ROOT / "tests")
+    assert not wrong, f"import shared parts from tests/helpers.py instead (move them there): {wrong}"
+
+
+@pytest.mark.parametrize("line", ["from test_decode import prompts", "import tests.test_decode as d",
+                                  "from tests import test_decode", "from . import test_decode",
+                                  "def f():\n    from test_sampling import V"])
+def test_a_test_module_importing_another_is_named(tmp_path, line):
+    (tmp_path / "helpers.py").write_text("import os\nfrom pathlib import Path\n")
+    (tmp_path / "test_a.py").write_text(f"import pytest\nfrom helpers import prompts\n{line}\n")
+    [found] = imports_of_test_modules(tmp_path)
+    statement = line.splitlines()[-1].strip()
+    assert found == f"test_a.py:{2 + len(line.splitlines())}: {statement}"

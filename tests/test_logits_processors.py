@@ -13,16 +13,14 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from conftest import drafter_config, first_tokens, make_drafter, make_hybrid, make_oracle, make_target
+from helpers import (
+    COSTS, N, N_BROKEN, PROMPT, SiblingOracle, V, chi_square, drafter_config, first_tokens, make_drafter, make_hybrid,
+    make_oracle, make_target, mlx_lm_probabilities, prompts, request, running, user,
+)
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from test_adaptive import COSTS
-from test_decode import prompts
-from test_sampling import N, N_BROKEN, PROMPT, V, chi_square, mlx_lm_probabilities
-from test_serve import request, running, user
-from test_tree import SiblingOracle
 
 from dflash2_apps.cli import main
 from dflash2_mlx import generate

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import HIDDEN, make_drafter, make_hybrid, make_model, make_target, save_drafter
+from helpers import HIDDEN, make_drafter, make_hybrid, make_model, make_target, save_drafter
 
 from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.target import Target

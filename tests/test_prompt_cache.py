@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_hybrid, make_target
+from helpers import make_dflash2_drafter, make_drafter, make_hybrid, make_target
 
 from dflash2_mlx import PromptCache, PromptCaches, generate, stream_cycles
 

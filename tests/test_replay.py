@@ -7,9 +7,7 @@ import importlib
 import json
 
 import pytest
-from conftest import make_oracle, make_target
-from test_adaptive import COSTS, decide_on
-from test_decode import prompts
+from helpers import COSTS, decide_on, make_oracle, make_target, prompts
 
 from dflash2_apps.replay import perturbed
 from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks

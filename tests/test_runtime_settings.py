@@ -7,7 +7,7 @@ import json
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_target, save_drafter
+from helpers import make_dflash2_drafter, make_drafter, make_target, save_drafter
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.formats.quantize import DraftQuant, quantize_drafter

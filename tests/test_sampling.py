@@ -4,7 +4,6 @@ the drafter's sparse proposal."""
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from dataclasses import replace
@@ -12,82 +11,21 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import first_tokens, make_dflash2_drafter, make_drafter, make_target
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+from helpers import (
+    N, N_BROKEN, SETTINGS, V, assert_follows_mlx_lm, chi_square, exact_distribution, make_dflash2_drafter, make_drafter,
+    make_target, mlx_lm_probabilities, sample_sequences,
+)
+from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.sampling as sampling
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks
-from dflash2_mlx.decode import dflash_steps, plain_steps
+from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
 from dflash2_mlx.target import Target
 
-V = 4  # vocabulary: 4^3 = 64 possible 3-token continuations
-PROMPT = [3, 1, 2]
-# The acceptance rule's law is checked exactly, for every sampler setting (`accept_law` below); these draws
-# through the decode loops check the loops' wiring, one setting per loop.
-N = 600
-N_BROKEN = 300  # a broken rule fails with half the samples (chi2 2.8-80x the critical value), so the
-# tests above, with N, catch it too
-ALPHA = 1e-3  # significance level of every goodness-of-fit test below
-
-
-def mlx_lm_probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray:
-    """The distribution mlx-lm's sampler draws from, built from mlx-lm's own pieces the way its
-    `generate_step` and `make_sampler` chain them: log-probabilities, then apply_top_p, apply_min_p
-    (min_tokens_to_keep=1) and apply_top_k, then categorical(logprobs / temp) = softmax(logprobs / temp).
-    (`test_the_reference_is_mlx_lms_sampler` checks this against make_sampler's own draws.)"""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if 0 < params.top_p < 1:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p != 0:
-        logprobs = apply_min_p(logprobs, params.min_p, 1)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    scaled = np.array((logprobs * (1.0 / params.temperature)).astype(mx.float32), dtype=np.float64)
-    e = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
 def temperature_first(logits: mx.array, params: SamplingParams) -> np.ndarray:
     """The wrong order (what dflash2 did before): mlx-lm's filters applied to the tempered distribution."""
     return mlx_lm_probabilities(logits / params.temperature, replace(params, temperature=1.0))
-
-
-def exact_distribution(model, params: SamplingParams, rows=mlx_lm_probabilities) -> dict[tuple, float]:
-    """P(t0, t1, t2 | PROMPT) when each token is drawn from `rows(logits, params)` (by default mlx-lm's
-    sampler), from full forwards of the target (no cache)."""
-    def next_probs(prefixes):
-        return rows(model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1], params)
-
-    p0 = next_probs([()])[0]
-    p1 = next_probs([(a,) for a in range(V)])
-    pairs = list(itertools.product(range(V), repeat=2))
-    p2 = next_probs(pairs)
-    return {
-        (a, b, c): p0[a] * p1[a][b] * p2[pairs.index((a, b))][c]
-        for a, b, c in itertools.product(range(V), repeat=3)
-    }
-
-
-def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
-    """Pearson's statistic, cells with expected count < 5 pooled; returns (statistic, critical value
-    at ALPHA by the Wilson-Hilferty approximation)."""
-    big = {k: p * n for k, p in expected.items() if p * n >= 5}
-    observed = [samples.get(k, 0) for k in big]
-    rest_expected = n - sum(big.values())
-    rest_observed = n - sum(observed)
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, big.values()))
-    cells = len(big)
-    if rest_expected > 0:
-        stat += (rest_observed - rest_expected) ** 2 / rest_expected
-        cells += 1
-    df = cells - 1
-    if df == 0:  # a single cell (one possible outcome): nothing for the statistic to test
-        return stat, math.inf
-    z = 3.0902  # standard normal quantile at 1 - ALPHA
-    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, critical
 
 
 # one draft cheap to verify, each one after it worth its cost only where the drafter is sure of it
@@ -106,44 +44,12 @@ def full_blocks():
     return AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), 4, timing_steps=0)
 
 
-def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int, n: int = N,
-                     blocks=lambda: FixedBlocks(3)) -> Counter:
-    """n draws of the 3 tokens after PROMPT straight from the decode loop: speculative with `drafter`
-    (block size 3, or as `blocks()` decides), plain decoding without."""
-    mx.random.seed(seed)
-    prompt = mx.array(PROMPT, dtype=mx.uint32)
-    counts = Counter()
-    for _ in range(n):
-        if drafter is None:
-            steps = plain_steps(target, prompt, params)
-        else:
-            steps = dflash_steps(target, drafter, prompt, params, blocks(), max_tokens=3)
-        counts[first_tokens(steps, 3)] += 1
-    return counts
-
-
-SETTINGS = {
-    "t1": SamplingParams(temperature=1.0),
-    "t0.8-topk3": SamplingParams(temperature=0.8, top_k=3),
-    "t0.7-topp0.9": SamplingParams(temperature=0.7, top_p=0.9),
-    "t0.7-minp0.2": SamplingParams(temperature=0.7, min_p=0.2),
-}
-
-
 @pytest.fixture(scope="module")
 def pair():
     model = make_target("llama", vocab=V, seed=21)
     # A drafter with sharp, wrong opinions: drafts are often rejected, so the residual matters.
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
     return model, drafter, bind_drafter(drafter, model)
-
-
-def assert_follows_mlx_lm(model, counts: Counter, params: SamplingParams) -> None:
-    expected = exact_distribution(model, params)
-    stat, critical = chi_square(counts, expected, N)
-    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}: not mlx-lm's sampling distribution"
-    support = {k for k, p in expected.items() if p > 0}
-    assert set(counts) <= support, "sampled a sequence mlx-lm's filtered sampler can never produce"
 
 
 def test_speculative_sampling_follows_mlx_lm(pair):

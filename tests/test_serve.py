@@ -20,60 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from helpers import CONTEXT, GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
-from dflash2_apps.cli import make_parser, main
-from dflash2_apps.serve import build_server
+from dflash2_apps.cli import main
 from dflash2_mlx import generate
 from dflash2_mlx.server import scheduler
-
-TIMEOUT = 60  # seconds, for every client call and every bounded wait
-CONTEXT = 512
-
-
-def wait_for(condition, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-@contextmanager
-def running(target_dir, drafter_dir, *flags):
-    """A `dflash2 serve` App and HTTP server in this process, on a free port; stopped on exit."""
-    args = make_parser().parse_args(["serve", "--model", str(target_dir), "--draft-model", str(drafter_dir),
-                                     "--verify-mode", "dflash", "--block-size", "4", "--port", "0",
-                                     "--context-length", str(CONTEXT), *map(str, flags)])
-    app, server = build_server(args)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield app, server.server_address[1]
-    finally:
-        server.shutdown()
-        app.close()
-        server.server_close()
-        thread.join(TIMEOUT)
-        assert app.worker.idle.is_set() and app.worker.running is None
-
 
 @pytest.fixture(scope="module")
 def served(tiny_pair, tiny_dflash2):
     with running(tiny_pair[0], tiny_dflash2, "--queue-size", 8, "--max-tokens", 16) as s:
         yield s
-
-
-def request(port, method, path, body=None, raw: bytes | None = None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
-    try:
-        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        text = r.read()
-        return r.status, dict(r.getheaders()), json.loads(text) if text else None
-    finally:
-        conn.close()
 
 
 def stream(port, path, body) -> list:
@@ -87,19 +44,6 @@ def stream(port, path, body) -> list:
         return [e if e == "[DONE]" else json.loads(e) for e in events]
     finally:
         conn.close()
-
-
-def expected(app, prompt, max_tokens=16):
-    """The target's own greedy continuation (plain decoding), with the same tokenizer and EOS."""
-    return generate(app.worker.model, app.tokenizer, prompt, None, verify_mode="off", max_tokens=max_tokens)
-
-
-def chat_ids(app, messages):
-    return app.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
-def user(text):
-    return [{"role": "user", "content": text}]
 
 
 def test_chat_equals_generate_with_usage(served):
@@ -176,9 +120,6 @@ def test_second_turn_reuses_the_conversation(served):
     assert status == 200 and body["choices"][0]["message"]["content"] == want.text
     # the whole first turn (its prompt and all but perhaps the last reply token) came from the cache
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(chat_ids(app, first)) + len(reply.split()) - 1
-
-
-GOOD = user("w1 w2")
 
 
 @pytest.mark.parametrize("raw, status, param, fragment", [

@@ -18,11 +18,10 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from conftest import SPECIALS, WORDS
+from helpers import GOOD, SPECIALS, TIMEOUT, WORDS, chat_ids, expected, request, running, user, wait_for
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools
-from test_serve import GOOD, TIMEOUT, chat_ids, expected, request, running, user, wait_for
 
 import dflash2_apps.serve as serve
 import dflash2_mlx.server.app as server_app
@@ -615,7 +614,7 @@ def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
     later (a client's next request, sent as its last answer ends), a third arrives: it joins the batch, the long
     one never having left it (RESUME_GRACE_STEPS), rather than the long one moving out to go on speculatively and
     back in at its next cycle. Every answer is plain decoding's from scratch."""
-    from conftest import make_dflash2_drafter, make_target
+    from helpers import make_dflash2_drafter, make_target
 
     model = make_target("qwen3", seed=3)
     worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
@@ -700,7 +699,7 @@ def test_batched_requests_get_the_logprobs_mlx_lm_computes(tokenizer, monkeypatc
     """Three requests asking for logprobs (3 best) decoded together, one moved into the batch after its first
     cycle: each token's log-probability and its row's best three equal those of mlx-lm's own `stream_generate`
     of the same prompt (within 1e-4), for the tokens of the speculative cycle and of the batch alike."""
-    from conftest import make_dflash2_drafter, make_target
+    from helpers import make_dflash2_drafter, make_target
     from mlx_lm import stream_generate as mlx_stream
 
     model = make_target("qwen3", seed=3)
@@ -731,7 +730,7 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
     """KV caches, sliding-window caches that wrap (window 8) and a hybrid target's GatedDeltaNet state: four
     prompts batched (one moved in from the speculative path after a cycle), then their next turns batched from
     the slots the first wave left; every answer is plain decoding's from scratch."""
-    from conftest import make_dflash2_drafter, make_hybrid, make_target
+    from helpers import make_dflash2_drafter, make_hybrid, make_target
 
     model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
     worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)

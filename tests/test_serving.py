@@ -15,7 +15,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FIXTURES, make_target, synthetic_checkpoint
+from helpers import FIXTURES, make_target, synthetic_checkpoint
 
 from dflash2_apps.cli import main
 from dflash2_mlx import load_drafter

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_target
+from helpers import make_target
 from mlx_lm.models.base import create_attention_mask
 
 from dflash2_mlx.target import Target

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm import load
 import numpy as np
 import pytest
-from conftest import make_target
+from helpers import make_target
 from mlx.utils import tree_flatten
 
 import dflash2_mlx.train.data as data

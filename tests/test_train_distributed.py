@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_target, save_target
+from helpers import make_target, save_target
 
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.loading import load_target

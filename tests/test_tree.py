@@ -11,9 +11,10 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import OracleDrafter, drafter_config, make_dflash2_drafter, make_drafter, make_hybrid, make_target
-from test_decode import ARCHS, prompts, run
-from test_sampling import N, N_BROKEN, PROMPT, SETTINGS, V, chi_square, exact_distribution
+from helpers import (
+    ARCHS, N, N_BROKEN, PROMPT, SETTINGS, SiblingOracle, V, chi_square, drafter_config, exact_distribution,
+    make_dflash2_drafter, make_drafter, make_hybrid, make_target, prompts, run,
+)
 
 import dflash2_mlx.decode as decode
 from dflash2_mlx import generate
@@ -110,15 +111,6 @@ def test_walk_follows_the_choices():
 
 
 # -- greedy: plain decoding's tokens ----------------------------------------------------------------------------
-
-
-class SiblingOracle(OracleDrafter):
-    """The spoiled oracle with the target's own token as every row's runner-up: the tree finds it among the
-    siblings, so accepted paths leave the first-born branch and KV rows are really reordered."""
-
-    def draft_rows(self, block, context, cache):
-        hidden, logits = super().draft_rows(block, context, cache)
-        return hidden, logits + mx.eye(self.vocab)[mx.array(self.pending[1])] * 28.0
 
 
 def sibling_oracle(model, prompt, block_size, seed, right_for=None):

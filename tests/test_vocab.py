@@ -8,8 +8,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_dflash2_drafter, make_drafter, make_target, synthetic_checkpoint
-from test_sampling import SETTINGS, assert_follows_mlx_lm, sample_sequences
+from helpers import (
+    SETTINGS, V, assert_follows_mlx_lm, make_dflash2_drafter, make_drafter, make_target, sample_sequences,
+    synthetic_checkpoint,
+)
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.convert import convert, export
@@ -67,8 +69,6 @@ def test_greedy_identical_with_a_draft_vocabulary(make, tokenizer):
 def test_sampling_with_a_draft_vocabulary_follows_mlx_lm(make):
     """q is zero outside the draft vocabulary (token 1 can never be drafted) and the acceptance test uses that
     same q: the output is still mlx-lm's distribution."""
-    from test_sampling import V
-
     model = make_target("llama", vocab=V, seed=21)
     drafter = with_vocab(make(model, block_size=4, seed=5, output_multiplier=4.0), model, np.array([0, 2, 3], np.int32))
     target = bind_drafter(drafter, model)
