@@ -5,9 +5,9 @@
 For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings;
 optionally prompts to run through one prompt cache, and the target's greedy continuation to script drafts from)
 every rank loads its share of the target and the drafter; rank 0 generates (the other ranks follow) and writes
-OUT_DIR/<name>.json (the tokens of each run) and OUT_DIR/<name>-context.npy (the context rows the drafter was
-handed during the first run, in order); every rank writes OUT_DIR/<name>-rank<r>.json (the group's size, the
-layers it holds and the drafter's among them).
+OUT_DIR/<name>-drafting (empty) once it drafts the first block, OUT_DIR/<name>.json (the tokens of each run) and
+OUT_DIR/<name>-context.npy (the context rows the drafter was handed during the first run, in order); every rank
+writes OUT_DIR/<name>-rank<r>.json (the group's size, the layers it holds and the drafter's among them).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main(jobs_file: str, out_dir: str) -> None:
         contexts, draft_rows = [], drafter.draft_rows
 
         def spy(block, context, cache):
+            if not contexts:  # the generation has begun: every rank is inside it
+                (out / f"{job['name']}-drafting").touch()
             contexts.append(np.array(context[0]))
             return draft_rows(block, context, cache)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -60,47 +60,86 @@ EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefi
          dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+# the ring backend's error where a rank's port is taken (EADDRINUSE): the launch is retried on other ports
+BIND_FAILED = "Couldn't bind socket (error: 98)"
+ATTEMPTS = 5  # launches on fresh ports before a test gives up on finding free ones
+
+
+def ring_ports(n: int) -> list[int]:
+    """n consecutive ports for a ring on 127.0.0.1 (mlx.launch's --starting-port numbers them so too), drawn at
+    random below Linux's ephemeral range (32768 on), where no outgoing connection takes one. Nothing reserves
+    them: a rank whose port another process holds fails to bind (BIND_FAILED), and `start_ring` starts the
+    ranks again on new ones."""
+    first = random.randrange(20000, 32000 - n)
+    return list(range(first, first + n))
+
+
+def start_ring(start, folder: Path, ready=None, timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.Popen]:
+    """Processes that join a ring on 127.0.0.1, started by `start(ports, folder)` (which writes each one's stderr
+    to folder/err*.txt); started again on other ports while one of them fails to bind. Returns them once `ready()`
+    holds, or without `ready` once all have ended; a process that ends before `ready()` holds, and the deadline
+    `timeout`, fail the test with their stderr."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for _ in range(ATTEMPTS):
+        procs, end = start(ring_ports(2), folder), time.monotonic() + timeout
+        while True:
+            ended = [p.poll() is not None for p in procs]  # before stderr is read: an ended rank's stderr is whole
+            errors = {err.name: err.read_text() for err in sorted(folder.glob("err*.txt"))}
+            if any(BIND_FAILED in text for text in errors.values()):
+                stop(procs)
+                break
+            if ready is None and all(ended) or ready is not None and ready():
+                return procs
+            if ready is not None and any(ended) or time.monotonic() > end:
+                stop(procs)
+                what = "a process ended" if any(ended) else f"still not ready after {timeout} s"
+                pytest.fail(f"{what} (exit codes {[p.returncode for p in procs]}): {errors}")
+            time.sleep(0.1)
+    pytest.fail(f"every one of {ATTEMPTS} launches found a port taken ({BIND_FAILED})")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill the processes and every process they started (each leads its own session)."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def ring_env(folder: Path, ports: list[int], env: dict | None = None) -> dict:
+    """The environment of a ring's processes: a hostfile of `ports` on 127.0.0.1 (in folder), this checkout on
+    PYTHONPATH, and `env`."""
+    hostfile = folder / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    return {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def start_ranks(commands: list[list[str]], folder: Path, ranks=None, env: dict | None = None, ready=None,
+                timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.Popen]:
+    """One process per command as ranks 0.. of a ring over 127.0.0.1, as `mlx.launch` starts them (only `ranks` of
+    them, if given: the others never come; stdout and stderr in folder/outR.txt and errR.txt; `env`: more
+    environment variables); returned as `start_ring` returns them."""
+    def start(ports, folder):
+        environ, procs = ring_env(folder, ports, env), []
+        for rank, command in enumerate(commands):
+            if ranks is None or rank in ranks:
+                with open(folder / f"out{rank}.txt", "w") as out, open(folder / f"err{rank}.txt", "w") as err:
+                    procs.append(subprocess.Popen(command, env={**environ, "MLX_RANK": str(rank)}, stdout=out,
+                                                  stderr=err, cwd=ROOT, start_new_session=True))
+        return procs
+
+    return start_ring(start, folder, ready, timeout)
 
 
 def launch(commands: list[list[str]], folder: Path, timeout: float = LAUNCH_TIMEOUT, ranks=None) -> list[dict]:
     """Run one process per command as ranks 0.. of a ring over 127.0.0.1 (only `ranks` of them, if given: the
-    others never come); returns each one's returncode, stdout and stderr. Fails the test if any outlives
-    `timeout`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    hostfile = folder / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(commands))]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    procs = []
-    for rank, command in enumerate(commands):
-        if ranks is not None and rank not in ranks:
-            continue
-        out, err = open(folder / f"out{rank}.txt", "w"), open(folder / f"err{rank}.txt", "w")
-        procs.append((rank, subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}, stdout=out, stderr=err,
-                                             cwd=ROOT), out, err))
-    end, hung = time.monotonic() + timeout, []
-    for rank, proc, out, err in procs:
-        try:
-            proc.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(rank)
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
-    results = [{"rank": rank, "returncode": proc.returncode, "stdout": (folder / f"out{rank}.txt").read_text(),
-                "stderr": (folder / f"err{rank}.txt").read_text()} for rank, proc, _, _ in procs]
-    if hung:
-        pytest.fail(f"ranks {hung} still ran after {timeout} s: {results}")
-    return results
+    others never come) to their end; returns each one's rank, returncode, stdout and stderr. Fails the test if any
+    outlives `timeout`."""
+    procs = start_ranks(commands, folder, ranks, timeout=timeout)
+    started = [rank for rank in range(len(commands)) if ranks is None or rank in ranks]
+    return [{"rank": rank, "returncode": proc.returncode, "stdout": (folder / f"out{rank}.txt").read_text(),
+             "stderr": (folder / f"err{rank}.txt").read_text()} for rank, proc in zip(started, procs)]
 
 
 def write_index(folder: Path) -> Path:
@@ -215,6 +254,7 @@ def sharded(tmp_path_factory):
     return found, references
 
 
+@pytest.mark.slow
 def test_two_processes_each_hold_a_share(sharded):
     found, _ = sharded
     for case, result in found.items():
@@ -229,6 +269,7 @@ def test_two_processes_each_hold_a_share(sharded):
             assert rank0["held"] == rank1["held"] == [1, 3] and rank0["layers"] == rank1["layers"] == 4, case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_one_process(sharded, case):
     found, references = sharded
@@ -247,6 +288,7 @@ def test_scripted_drafts_are_accepted_and_rolled_back(sharded, case):
     assert sum(scripted["accepted"]) >= TOKENS // 3 and {0, 3} <= set(scripted["accepted"]), scripted["accepted"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_matches_one_process(sharded, case):
     """The drafter's context rows (its fc of the tapped layers' outputs, summed over the processes that hold them
@@ -261,6 +303,7 @@ def test_context_matches_one_process(sharded, case):
     assert np.abs(got - want).max() <= 1e-5 * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampled_matches_one_process(sharded, case):
     found, references = sharded
@@ -271,6 +314,7 @@ def test_sampled_matches_one_process(sharded, case):
         assert sum(sampled["accepted"]) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_cache_reuse_matches_one_process(sharded, case):
     found, references = sharded
@@ -280,6 +324,7 @@ def test_prompt_cache_reuse_matches_one_process(sharded, case):
     assert cached[1][1] == (0 if CASES[case][0] in ("qwen3_5", "llama_swa") else 50)
 
 
+@pytest.mark.slow
 def test_adaptive_and_plain_decoding(sharded):
     """Adaptive mode (its cost measurement on two caches, plain runs) and plain decoding on the pipeline."""
     found, references = sharded
@@ -290,17 +335,43 @@ def test_adaptive_and_plain_decoding(sharded):
 # -- bad input -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_answer_from_the_hostfile_ends_with_a_message(tmp_path):
-    """Rank 0 of two, and rank 1 never starts: the process ends within its connect timeout, naming the hostfile."""
+    """Rank 0 of two, and rank 1 never starts: the connect timeout's watchdog ends the process (SIGKILL, the way it
+    ends one), naming the hostfile."""
     code = "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=3)"
-    tic = time.monotonic()
     [result] = launch([[sys.executable, "-c", code]] * 2, tmp_path, timeout=60, ranks=[0])
-    assert time.monotonic() - tic < 30
-    assert result["returncode"] != 0
+    assert result["returncode"] == -signal.SIGKILL, result
     assert "got no answer from the other processes within 3 s" in result["stderr"]
     assert "hosts.json" in result["stderr"]
 
 
+@pytest.mark.slow
+def test_a_taken_port_is_tried_again_on_others(tmp_path, monkeypatch):
+    """A launch whose rank 0 finds its port held by another process (here a listening socket of the test's) fails to
+    bind, and is started again on other ports, where the two ranks join."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    draw, drawn = ring_ports, []
+
+    def ports(n: int) -> list[int]:  # the held port first, then ports drawn as usual
+        drawn.append([held.getsockname()[1], draw(1)[0]] if not drawn else draw(n))
+        return drawn[-1]
+
+    monkeypatch.setitem(globals(), "ring_ports", ports)
+    code = "from dflash2_mlx.distributed import init_group; print(init_group('ring', timeout=60).size())"
+    try:
+        results = launch([[sys.executable, "-c", code]] * 2, tmp_path, timeout=120)
+    finally:
+        held.close()
+    assert len(drawn) == 2  # the held port, then others
+    assert [(r["returncode"], r["stdout"].strip()) for r in results] == [(0, "2"), (0, "2")], results
+
+
+@pytest.mark.slow
 def test_a_lone_process_is_refused(tmp_path):
     code = ("import os; [os.environ.pop(k, None) for k in ('MLX_RANK', 'MLX_HOSTFILE')]\n"
             "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=30)")
@@ -310,6 +381,7 @@ def test_a_lone_process_is_refused(tmp_path):
         ShardedTarget(make_target("qwen2"), mx.distributed.init(), "pipeline")
 
 
+@pytest.mark.slow
 def test_ranks_with_different_drafters_are_refused(tmp_path):
     """Each rank given another drafter: both stop at the start with the same clear error, no hang."""
     target = save_target(tmp_path / "target", "qwen3")
@@ -324,6 +396,7 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
         assert "rank 1 loaded a different drafter from rank 0's" in r["stderr"], r
 
 
+@pytest.mark.slow
 def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     """Rank 1 killed while rank 0 generates: rank 0 ends with a message, never hangs (the ring's own error, or the
     watchdog's after --peer-timeout where an MLX collective does not return)."""
@@ -335,13 +408,11 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
                  runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "out").mkdir()
-    folder = tmp_path / "launch"
-    procs = start_ranks([sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")], folder)
+    folder, command = tmp_path / "launch", [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
+    # ready once rank 0 has drafted a block: both ranks are inside the generation
+    procs = start_ranks([command, command], folder, ready=lambda: (tmp_path / "out" / "long-drafting").exists(),
+                        timeout=120)
     try:
-        end = time.monotonic() + 120
-        while not (tmp_path / "out" / "long-rank1.json").exists() and time.monotonic() < end:
-            time.sleep(0.2)
-        time.sleep(2)  # generating by now
         assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
         procs[1].kill()
         procs[0].wait(timeout=60)
@@ -385,6 +456,7 @@ def test_architectures_that_cannot_be_sharded_are_refused():
         check_shardable(nn.Linear(2, 2), "tensor")
 
 
+@pytest.mark.slow
 def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     """`mlx.launch -n 2 -- python -m dflash2_apps.cli generate ... --pipeline`: one JSON line (rank 0's), the
     tokens of the same command in one process. The target is a qwen3, which mlx-lm does not pipeline itself."""
@@ -401,12 +473,17 @@ def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     launcher = shutil.which("mlx.launch", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                                  os.environ.get("PATH", "")]))
     assert launcher, "mlx.launch (installed with mlx) is not on the PATH"
-    command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(1)[0]), "--",
-               *CLI, *flags, "--pipeline", "--backend", "ring"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert len(lines) == 1, run.stdout  # rank 1 prints nothing
+    def start(ports, folder):  # mlx.launch gives the ranks ports[0] and ports[0] + 1
+        command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(ports[0]), "--",
+                   *CLI, *flags, "--pipeline", "--backend", "ring"]
+        with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
+            return [subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)]
+
+    folder = tmp_path / "launch"
+    [run] = start_ring(start, folder, timeout=120)
+    assert run.returncode == 0, (folder / "err.txt").read_text()
+    lines = (folder / "out.txt").read_text().splitlines()
+    assert len(lines) == 1, lines  # rank 1 prints nothing
     assert json.loads(lines[0])["tokens"] == alone["tokens"] and len(alone["tokens"]) > 0
 
 
@@ -486,31 +563,13 @@ def test_a_patched_pipeline_runs_the_unpatched_layers(arch, monkeypatch):
 SERVE_TOKENS = 16
 
 
-def start_ranks(command: list[str], folder: Path, n: int = 2, env: dict | None = None) -> list[subprocess.Popen]:
-    """`command` as ranks 0..n-1 of a ring over 127.0.0.1, as `mlx.launch` starts them (stderr in folder/errR.txt;
-    `env`: more environment variables)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    hostfile = folder / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-    env = {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    return [subprocess.Popen(command, env={**env, "MLX_RANK": str(rank)}, stdout=subprocess.DEVNULL,
-                             stderr=open(folder / f"err{rank}.txt", "w"), cwd=ROOT) for rank in range(n)]
+def serving_line(err: Path) -> str | None:
+    """Rank 0's line that says where it serves (`[dflash2] serving ... on http://HOST:PORT`), once it has one."""
+    lines = [line for line in err.read_text().splitlines() if line.startswith("[dflash2] serving ") and " on http://" in line]
+    return lines[0] if lines else None
 
 
-def serving_port(procs: list[subprocess.Popen], err: Path, timeout: float) -> int:
-    """The port rank 0 says it serves on (its stderr line), once it does."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for line in err.read_text().splitlines():
-            if line.startswith("[dflash2] serving ") and " on http://" in line:
-                return int(line.rsplit(":", 1)[1])
-        if any(p.poll() is not None for p in procs):
-            pytest.fail(f"a rank ended before serving: {[p.returncode for p in procs]}\n{err.read_text()[-3000:]}")
-        time.sleep(0.5)
-    pytest.fail(f"rank 0 did not serve within {timeout} s:\n{err.read_text()[-3000:]}")
-
-
+@pytest.mark.slow
 def test_serve_under_two_processes_matches_one_process(tmp_path):
     """`dflash2 serve --tensor-parallel` as two ring processes (adaptive mode: the cycle costs measured at startup, both
     processes running those forwards): the openai client's T = 0 chat answers, streamed and not, are mlx-lm's
@@ -537,9 +596,10 @@ def test_serve_under_two_processes_matches_one_process(tmp_path):
                "ring", "--port", "0", "--kernels", "mlx", "--max-tokens", str(SERVE_TOKENS), "--connect-timeout",
                "60"]
     folder = tmp_path / "launch"
-    procs = start_ranks(command, folder, env={"DFLASH2_COSTS": str(tmp_path / "costs.json")})  # measured anew
+    procs = start_ranks([command, command], folder, env={"DFLASH2_COSTS": str(tmp_path / "costs.json")},  # measured anew
+                        ready=lambda: serving_line(folder / "err0.txt") is not None)
     try:
-        port = serving_port(procs, folder / "err0.txt", LAUNCH_TIMEOUT)
+        port = int(serving_line(folder / "err0.txt").rsplit(":", 1)[1])  # --port 0: the port the OS gave it
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
 
         def chat(messages: list[dict], stream: bool) -> tuple[str, int]:
