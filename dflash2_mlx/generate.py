@@ -150,6 +150,78 @@ def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, ver
     return AdaptiveBlocks(costs, block_size, prior=drafter.acceptance_prior)
 
 
+def check_generation_arguments(
+    drafter: DFlashDraftModel | None,
+    *,
+    verify_mode: str = "adaptive",
+    walk: str = "greedy",
+    tree_budget: int | None = None,
+    max_tokens: int = 256,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    sampler: Sampler | None = None,
+    sampling: tuple[float, float, int, float] = (0.0, 1.0, 0, 0.0),
+) -> list[LogitsProcessor]:
+    """Check `stream_cycles`' arguments before anything is loaded or run.
+
+    Args:
+        drafter, verify_mode, walk, tree_budget, max_tokens, logits_processors, sampler: as `stream_cycles`
+            takes them.
+        sampling: `stream_cycles`' (temp, top_p, top_k, min_p); with a sampler, they must be left at these
+            defaults. Their ranges are `SamplingParams`' to check.
+
+    Returns:
+        The logits processors as a list (empty for None).
+
+    Raises:
+        ValueError: the first argument that cannot run, naming it and what to give instead.
+    """
+    if verify_mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+    if verify_mode != "off" and drafter is None:
+        raise ValueError(f"verify mode {verify_mode!r} needs a drafter (--draft-model); use 'off' for plain decoding")
+    if tree_budget is not None and verify_mode != "ddtree":
+        raise ValueError(f"tree_budget (--tree-budget) applies to verify mode 'ddtree', not {verify_mode!r}")
+    if verify_mode == "ddtree":
+        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
+            raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per tree), got {tree_budget!r}")
+        if walk != "greedy":
+            raise ValueError(f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
+                             "instead: leave the walk (--path) at greedy")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    logits_processors = list(logits_processors or [])
+    if not all(callable(p) for p in logits_processors):
+        raise ValueError("logits_processors must be a list of callables proc(tokens, logits) -> logits "
+                         "(e.g. mlx_lm.sample_utils.make_logits_processors(...))")
+    if sampler is not None:
+        if not callable(sampler):
+            raise ValueError(f"sampler must be a callable logprobs -> token (e.g. make_sampler(temp=0.7)), got "
+                             f"{type(sampler).__name__}")
+        if sampling != (0.0, 1.0, 0, 0.0):
+            raise ValueError("give either a sampler or temp/top_p/top_k/min_p, not both: make_sampler(temp=..., "
+                             "top_p=..., ...) takes them all")
+    return logits_processors
+
+
+def _sampling(sampler: Sampler | None, temp: float, top_p: float, top_k: int, min_p: float,
+              verify_mode: str) -> tuple[SamplingParams, Sampler | None, str]:
+    """(the distribution tokens are drawn from, the sampler to call instead when that distribution is unknown,
+    the verify mode that runs: "off" for such a sampler, with one warning saying why)."""
+    if sampler is None:
+        return SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p), None, verify_mode
+    params = sampler_params(sampler)
+    if params is not None:
+        return params, None, verify_mode
+    if verify_mode != "off":
+        why = getattr(sampler, "why", "") or "this sampler is a callable whose distribution is not known"
+        warnings.warn(
+            f"plain decoding instead of {verify_mode!r} speculation: {why}, and accepting drafts exactly "
+            "(rejection sampling) needs that distribution. The output is still exactly this sampler's; "
+            "to speculate, make the sampler with dflash2_mlx.lm.make_sampler (mlx-lm's arguments)",
+            UserWarning, stacklevel=3)  # points at the code iterating `stream_cycles`
+    return SamplingParams(), sampler, "off"
+
+
 def stream_cycles(
     model: nn.Module,
     tokenizer,
@@ -214,47 +286,12 @@ def stream_cycles(
     detokenize: False leaves every record's text empty (for a caller that decodes the tokens itself).
     Each record's `logprobs` stays lazy: reading it costs a host transfer, keeping it keeps [tokens, V] alive.
     """
-    if verify_mode not in VERIFY_MODES:
-        raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
-    if verify_mode != "off" and drafter is None:
-        raise ValueError(f"verify mode {verify_mode!r} needs a drafter (--draft-model); use 'off' for plain decoding")
-    if tree_budget is not None and verify_mode != "ddtree":
-        raise ValueError(f"tree_budget (--tree-budget) applies to verify mode 'ddtree', not {verify_mode!r}")
-    if verify_mode == "ddtree":
-        if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
-            raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per tree), got {tree_budget!r}")
-        if walk != "greedy":
-            raise ValueError(f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
-                             "instead: leave the walk (--path) at greedy")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    logits_processors = list(logits_processors or [])
-    if not all(callable(p) for p in logits_processors):
-        raise ValueError("logits_processors must be a list of callables proc(tokens, logits) -> logits "
-                         "(e.g. mlx_lm.sample_utils.make_logits_processors(...))")
+    logits_processors = check_generation_arguments(
+        drafter, verify_mode=verify_mode, walk=walk, tree_budget=tree_budget, max_tokens=max_tokens,
+        logits_processors=logits_processors, sampler=sampler, sampling=(temp, top_p, top_k, min_p))
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    foreign = None
-    if sampler is None:
-        params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    else:
-        if not callable(sampler):
-            raise ValueError(f"sampler must be a callable logprobs -> token (e.g. make_sampler(temp=0.7)), got "
-                             f"{type(sampler).__name__}")
-        if (temp, top_p, top_k, min_p) != (0.0, 1.0, 0, 0.0):
-            raise ValueError("give either a sampler or temp/top_p/top_k/min_p, not both: make_sampler(temp=..., "
-                             "top_p=..., ...) takes them all")
-        params = sampler_params(sampler)
-        if params is None:
-            params, foreign = SamplingParams(), sampler
-            if verify_mode != "off":
-                why = getattr(sampler, "why", "") or "this sampler is a callable whose distribution is not known"
-                warnings.warn(
-                    f"plain decoding instead of {verify_mode!r} speculation: {why}, and accepting drafts exactly "
-                    "(rejection sampling) needs that distribution. The output is still exactly this sampler's; "
-                    "to speculate, make the sampler with dflash2_mlx.lm.make_sampler (mlx-lm's arguments)",
-                    UserWarning, stacklevel=2)
-                verify_mode = "off"
+    params, foreign, verify_mode = _sampling(sampler, temp, top_p, top_k, min_p, verify_mode)
     eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     prompt = _encode(tokenizer, prompt)
     if seed is not None:
