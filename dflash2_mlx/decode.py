@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterator, NamedTuple
+from typing import Generator, Iterator, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -99,56 +99,10 @@ def dflash_steps(
         while True:
             clear_at = _free_buffers(produced, clear_at)
             B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
-            if B == 1:
-                # Plain steps, pipelined as `plain_steps` is, also from one run to the next: a step is always in
-                # flight. Each run starts with a shadow probe: the drafter's next block from the rows it has not
-                # taken in (which it keeps), scored by the tokens the run then commits: evidence at a drafter
-                # pass's cost, no verify. A probe proposes a whole block, the size the estimates describe, even
-                # where fewer of its drafts can be scored (a run cut short by max_tokens).
-                pending = [context]  # features of fed rows the drafter has yet to take in; the last: in flight
-                ahead = _plain_step(tap, cache, anchor, params, procs, pending)
-                timed_from, timed = None, 0
-                while B == 1:
-                    run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-                    shadow = drafter.propose(drafter.input_block(anchor, blocks.block_max),
-                                             mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
-                    mx.async_eval([a for a in shadow if a is not None])
-                    del pending[:-1]
-                    drawn, logits = [], []
-                    scored = min(run, shadow.tokens.shape[0])  # the run's tokens the probe's drafts are matched with
-                    for i in range(run):
-                        anchor, row = ahead
-                        drawn.append(anchor)
-                        logits.append(row)
-                        scoring = i == scored - 1  # every draft matched: the probe's score, read with this token
-                        if scoring:  # queued before the next step, so that reading it waits for this step only
-                            score = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params)
-                            mx.async_eval(score)
-                        ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
-                        step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
-                        if scoring:
-                            chain, single = score.tolist()
-                            blocks.observe_shadow(chain, single, shadow.confidence.tolist())
-                            step = step._replace(shadow=chain)
-                        yield state.commit(step, pending)
-                        if timed_from is None:  # steady steps are timed from the first one read (it waited for a cycle)
-                            timed_from = time.perf_counter()
-                        else:
-                            timed += 1
-                        if scoring and i < run - 1 and blocks.drafting_wins(
-                                None if max_tokens is None else max_tokens - produced - i):
-                            run = i + 1  # the probe says drafting pays now: the run ends here
-                            break
-                    produced += run
-                    if timed:  # the window holds this run's probe
-                        blocks.observe_plain(timed, time.perf_counter() - timed_from, probes=1)
-                    timed_from, timed = time.perf_counter(), 0
-                    clear_at = _free_buffers(produced, clear_at)
-                    B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
-                # Drafting again: the step in flight commits its token first, and the cycle drafts from the next.
-                anchor, row = ahead
-                yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), pending)
-                context, produced = mx.concatenate(pending), produced + 1
+            if B == 1:  # plain steps until drafting pays again; the cycle then drafts from the run's last token
+                anchor, context, produced, B, clear_at = yield from _plain_run(
+                    tap, cache, drafter, draft_cache, state, blocks, params, procs, walk, max_tokens,
+                    anchor, context, produced, clear_at)
                 B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
                 tic = time.perf_counter()
             # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept:
@@ -187,6 +141,68 @@ def dflash_steps(
             yield state.commit(Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B,
                                     logprobs=log_softmax(rows[: a + 1])), [context])
             tic = time.perf_counter()
+
+
+def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache: list, state: PromptCache,
+               blocks: AdaptiveBlocks, params: SamplingParams, procs: Processing | None, walk: str,
+               max_tokens: int | None, anchor: mx.array, context: mx.array, produced: int,
+               clear_at: int) -> Generator[Step, None, tuple[mx.array, mx.array, int, int, int]]:
+    """Plain steps from `anchor` (a run chosen by adaptive mode), until `blocks` picks a block to draft again.
+
+    Pipelined as `plain_steps` is, also from one run to the next: a step is always in flight. Each run starts
+    with a shadow probe: the drafter's next block from the rows it has not taken in (which it keeps), scored by
+    the tokens the run then commits: evidence at a drafter pass's cost, no verify. A probe proposes a whole
+    block, the size the estimates describe, even where fewer of its drafts can be scored (a run cut short by
+    max_tokens).
+
+    Yields each plain step's `Step`, the last one the token the next cycle drafts from; returns (`yield from`)
+    (that token, the features of the rows the drafter has yet to take in, the tokens produced, the block size
+    picked, the token count at which to free buffers next).
+    """
+    pending = [context]  # features of fed rows the drafter has yet to take in; the last: in flight
+    ahead = _plain_step(tap, cache, anchor, params, procs, pending)
+    timed_from, timed, B = None, 0, 1
+    while B == 1:
+        run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
+        shadow = drafter.propose(drafter.input_block(anchor, blocks.block_max),
+                                 mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
+        mx.async_eval([a for a in shadow if a is not None])
+        del pending[:-1]
+        drawn, logits = [], []
+        scored = min(run, shadow.tokens.shape[0])  # the run's tokens the probe's drafts are matched with
+        for i in range(run):
+            anchor, row = ahead
+            drawn.append(anchor)
+            logits.append(row)
+            scoring = i == scored - 1  # every draft matched: the probe's score, read with this token
+            if scoring:  # queued before the next step, so that reading it waits for this step only
+                score = draft_acceptance(shadow, mx.stack(drawn), mx.stack(logits), params)
+                mx.async_eval(score)
+            ahead = _plain_step(tap, cache, anchor, params, procs, pending)  # before this one is read
+            step = Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None])
+            if scoring:
+                chain, single = score.tolist()
+                blocks.observe_shadow(chain, single, shadow.confidence.tolist())
+                step = step._replace(shadow=chain)
+            yield state.commit(step, pending)
+            if timed_from is None:  # steady steps are timed from the first one read (it waited for a cycle)
+                timed_from = time.perf_counter()
+            else:
+                timed += 1
+            if scoring and i < run - 1 and blocks.drafting_wins(
+                    None if max_tokens is None else max_tokens - produced - i):
+                run = i + 1  # the probe says drafting pays now: the run ends here
+                break
+        produced += run
+        if timed:  # the window holds this run's probe
+            blocks.observe_plain(timed, time.perf_counter() - timed_from, probes=1)
+        timed_from, timed = time.perf_counter(), 0
+        clear_at = _free_buffers(produced, clear_at)
+        B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
+    # Drafting again: the step in flight commits its token first, and the cycle drafts from the next.
+    anchor, row = ahead
+    yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), pending)
+    return anchor, mx.concatenate(pending), produced + 1, B, clear_at
 
 
 def tree_steps(
