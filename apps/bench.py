@@ -7,8 +7,9 @@ Each prompt runs every method back to back, in alternating order (A B C, then C 
 trial to the next: the ABBA design), so drift on a shared machine hits them alike: over a pair a linear drift
 adds the same to every method's time, and a prompt's methods are compared on runs seconds apart, not minutes.
 At T = 0 every method's tokens must hash to the baseline's: a mismatch is reported as an error.
-The report (terminal tables, markdown, JSON) and its per-prompt statistics are `bench_report.py`; `--tree-sim` is
-`tree_sim.py`, `--replay` `replay.py`.
+The report (terminal tables, markdown, JSON) and its per-prompt statistics are `bench_report.py`. `--tree-sim DATA`
+and `--replay` run the commands `dflash2 tree-sim DATA` (`tree_sim.py`) and `dflash2 replay` (`replay.py`), saying
+so on stderr: aliases kept for the commands written with them.
 """
 
 from __future__ import annotations
@@ -27,21 +28,19 @@ from mlx_lm import stream_generate as mlx_stream
 from mlx_lm.sample_utils import make_sampler
 from rich.progress import Progress
 
+from dflash2_apps import replay, tree_sim
 from dflash2_apps.bench_report import (adaptive_summary, per_prompt_rows, render, report_console, report_context,
                                        report_json)
-from dflash2_apps.common import KERNELS_HELP, command_line, write_markdown
+from dflash2_apps.common import add_bench_model_args, bench_prompts, command_line, load_bench_models, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
-from dflash2_apps.replay import replay_report
-from dflash2_apps.tree_sim import tree_sim
 from dflash2_mlx import stream_cycles
 from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
-from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
 from dflash2_mlx.kernels import use_metal
-from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
-from dflash2_mlx.prompts import SUITES, load_suite, prompts_sha256
+from dflash2_mlx.loading import bind_drafter, load_target
+from dflash2_mlx.prompts import prompts_sha256
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
@@ -414,9 +413,7 @@ def add_parser(sub) -> None:
         "decoding (--baseline-draft-model) and each DFlash drafter (each block size; DFlash 2 with both walks), "
         "trial by trial after a warm-up, and report tokens/s, speedup, acceptance, memory and a token-hash check.",
     )
-    p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft-model", action="append", default=[],
-                   help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
+    add_bench_model_args(p)
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
     p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
@@ -424,7 +421,6 @@ def add_parser(sub) -> None:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--block-sizes", help="comma-separated runtime block sizes (default: each drafter's default)")
     p.add_argument("--temp", type=float, action="append", help="temperature (repeatable; default 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
     p.add_argument("--walk", action="append", choices=["greedy", "viterbi"],
@@ -433,22 +429,20 @@ def add_parser(sub) -> None:
     p.add_argument("--wide", action="store_true",
                    help="every column on the terminal (default: method, tok/s, vs mlx-lm, tau, lossless; the markdown "
                    "and the JSON have them all)")
-    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
     p.add_argument("--compare", metavar="FILE",
                    help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
                    "SGLang responses (JSONL), or 'published'")
     p.add_argument("--tree-sim", metavar="DATA",
-                   help="instead of timing: teacher-forced tau of the linear path and of ddtree trees per budget, on "
-                   "the held-out samples of this `dflash2 data` folder (greedy responses of this target)")
+                   help="runs `dflash2 tree-sim DATA` (teacher-forced tau of the linear path and of ddtree trees per "
+                   "budget, no timing) with the flags given here")
     p.add_argument("--tree-budgets",
                    help="comma-separated tree budgets: a ddtree row per budget (at each block size; 'auto': the "
                    "default budget from this machine's costs), or the columns of --tree-sim (default there: "
                    "1,2,4,8,16,32)")
     p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
     p.add_argument("--replay", action="store_true",
-                   help="instead of timing: record each drafter's proposals along the target's greedy answers, then "
-                   "replay plain steps, the fixed blocks of --block-sizes and adaptive mode on this machine's measured "
-                   "cost curve (T = 0): the policies' decisions without timing noise")
+                   help="runs `dflash2 replay` (plain steps, fixed blocks and adaptive mode replayed on recorded "
+                   "drafts, timed on a cost curve) with the flags given here")
     p.add_argument("--replay-traces", metavar="FILE",
                    help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
     p.add_argument("--costs", metavar="FILE",
@@ -477,36 +471,15 @@ def run(args) -> int:
         raise ValueError("--replay-jitter goes with --replay (it replays the kept answers on perturbed curves)")
     if args.costs and not args.replay:
         raise ValueError("--costs goes with --replay (it replays the recorded answers on that cost curve)")
-    if args.replay_jitter < 0:
-        raise ValueError(f"--replay-jitter is a number of curves (0: none), got {args.replay_jitter}")
     peer_python = check_python(args.peer_python) if args.peer_python else sys.executable
     use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
     if args.quick:
         args.trials, args.num_prompts, args.max_tokens = 1, 2, 24
-    model, tokenizer = load_target(args.model, args.dtype)
-    if not args.model and not args.draft_model:
-        args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
-    drafters, sources = [], []
-    for path in args.draft_model:
-        drafter = load_drafter(path, kernels=args.kernels)
-        bind_drafter(drafter, model)
-        label = path.rstrip("/").split("/")[-1]
-        if label in {name for name, _ in drafters}:
-            label = f"{label}#{len(drafters) + 1}"
-        drafters.append((label, drafter))
-        sources.append(path)
+    if args.tree_sim or args.replay:
+        return run_alias(args)
+    model, tokenizer, drafters, sources = load_bench_models(args)
     classic = load_target(args.baseline_draft_model, args.dtype)[0] if args.baseline_draft_model else None
-    texts = []
-    for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
-        texts += load_suite(suite, args.num_prompts)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-        if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
-    ]
-    if args.tree_sim:
-        return tree_sim(args, model, drafters)
-    if args.replay:
-        return replay_report(args, model, tokenizer, prompts, drafters)
+    texts, prompts = bench_prompts(args, tokenizer)
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
@@ -539,3 +512,14 @@ def run(args) -> int:
         Path(args.json).write_text(report_json(report))
     write_markdown(args, markdown)
     return 1 if report["errors"] else 0
+
+
+def run_alias(args) -> int:
+    """`bench --tree-sim DATA` and `bench --replay`: say on stderr which command they are now, and run it."""
+    if args.tree_sim:
+        print("dflash2 bench: --tree-sim DATA is the command `dflash2 tree-sim DATA` now, which takes the other "
+              "flags as they are; running it", file=sys.stderr)
+        return tree_sim.run(args)
+    print("dflash2 bench: --replay is the command `dflash2 replay` now, which takes the other flags as they are; "
+          "running it", file=sys.stderr)
+    return replay.run(args)

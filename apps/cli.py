@@ -1,4 +1,5 @@
-"""The `dflash2` command: a dispatcher over one module per command (`dflash2_apps.generate`, `.serve`, ...).
+"""The `dflash2` command: a dispatcher over one module per command (`dflash2_apps.generate`, `.serve`, ...;
+`tree-sim`'s is `dflash2_apps.tree_sim`).
 
 Each command's module has `add_parser(subparsers)` (its flags, with `run` as the parser's default) and
 `run(args)`; only the module of the command that runs is imported. Bad input (ValueError, FileNotFoundError)
@@ -15,9 +16,14 @@ import sys
 
 from dflash2_apps.openblas import restart_with_openblas
 
-COMMANDS = ("generate", "serve", "chat", "convert", "export", "data", "train", "bench", "info")
+COMMANDS = ("generate", "serve", "chat", "convert", "export", "data", "train", "bench", "replay", "tree-sim", "info")
 VERBOSE_HELP = "on an error, show its full traceback"
 USAGE_ERRORS = (ValueError, FileNotFoundError)
+
+
+def module_of(command: str) -> str:
+    """The module that defines `command` (`add_parser`, `run`): its name with '-' as '_'."""
+    return "dflash2_apps." + command.replace("-", "_")
 
 
 def make_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -29,7 +35,7 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
         if command not in (None, name):
             sub.add_parser(name)
             continue
-        importlib.import_module(f"dflash2_apps.{name}").add_parser(sub)
+        importlib.import_module(module_of(name)).add_parser(sub)
         # after the command too; SUPPRESS keeps the global flag's value when this one is absent
         sub.choices[name].add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return parser

@@ -14,6 +14,8 @@ from dflash2_mlx import distributed, load, peers
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
+from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+from dflash2_mlx.prompts import SUITES, load_suite
 from dflash2_mlx.settings import from_omlx
 
 KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal exists) or pure MLX; same results"
@@ -278,3 +280,51 @@ def write_markdown(args, text: str) -> None:
         return
     command = command_line(args)
     Path(args.markdown).write_text((f"Made by `{command}`.\n\n" if command else "") + text)
+
+
+def add_bench_model_args(p) -> None:
+    """The target and the drafters that bench, replay and tree-sim compare (`load_bench_models`)."""
+    p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", action="append", default=[],
+                   help="a DFlash drafter (repeatable; default target: its bundled v1 and DFlash 2 drafters)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
+
+
+def load_bench_models(args):
+    """The target of `add_bench_model_args`' flags and each drafter bound to it.
+
+    Args:
+        args: the parsed flags; without --model and --draft-model, `args.draft_model` is set to the default
+            target's bundled v1 and DFlash 2 drafters.
+
+    Returns:
+        (model, tokenizer, [(label, drafter)], the drafters' paths): each label is the drafter folder's name,
+        with "#n" added to a name already taken.
+    """
+    model, tokenizer = load_target(args.model, args.dtype)
+    if not args.model and not args.draft_model:
+        args.draft_model = [str(default_drafter("v1")), str(default_drafter("dflash2"))]
+    drafters, sources = [], []
+    for path in args.draft_model:
+        drafter = load_drafter(path, kernels=args.kernels)
+        bind_drafter(drafter, model)
+        label = path.rstrip("/").split("/")[-1]
+        if label in {name for name, _ in drafters}:
+            label = f"{label}#{len(drafters) + 1}"
+        drafters.append((label, drafter))
+        sources.append(path)
+    return model, tokenizer, drafters, sources
+
+
+def bench_prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
+    """(the texts, their token ids) of --prompts (suites, comma-separated, or a JSONL file), --num-prompts of each,
+    encoded as a user turn of the chat template where the tokenizer has one."""
+    texts = []
+    for suite in args.prompts.split(",") if args.prompts.split(",")[0] in SUITES else [args.prompts]:
+        texts += load_suite(suite, args.num_prompts)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        if tokenizer.has_chat_template else tokenizer.encode(t) for t in texts
+    ]
+    return texts, prompts

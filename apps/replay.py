@@ -1,6 +1,6 @@
-"""`dflash2 bench --replay`: plain steps, fixed blocks and adaptive mode replayed on recorded drafts (T = 0),
-timed on this machine's measured cost curve (or on one read from a file: `--costs`): the policies' decisions
-without the clock's noise."""
+"""`dflash2 replay`: plain steps, fixed blocks and adaptive mode replayed on recorded drafts (T = 0), timed on
+this machine's measured cost curve (or on one read from a file: `--costs`): the policies' decisions without the
+clock's noise. `dflash2 bench --replay` runs it too (with bench's flags of the same names)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from dflash2_apps.bench_report import report_context
-from dflash2_apps.common import write_markdown
+from dflash2_apps.common import add_bench_model_args, bench_prompts, load_bench_models, write_markdown
 from dflash2_mlx.adaptive import CostModel, cost_key, load_or_measure_costs
 from dflash2_mlx.generate import block_policy, resolve_block_size
+from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.replay import Trace, record, replay
 
@@ -91,8 +92,8 @@ def load_traces(path: str | None) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a traces file written by `dflash2 bench --replay` ({e}); give another "
-                         "--replay-traces path or delete it") from None
+        raise ValueError(f"{path} is not a traces file written by `dflash2 replay` ({e}); give another "
+                         "--traces (--replay-traces) path or delete it") from None
 
 
 # What `--costs` reads: one curve as `CostModel` holds it (the costs cache holds them by key).
@@ -158,16 +159,17 @@ def pick_costs(curves: dict[str, CostModel], path: str, label: str, key: str, bl
 
 
 def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) -> int:
-    """`bench --replay`: per drafter and prompt, each fixed block's and adaptive mode's committed tokens per
-    second relative to plain steps, replayed on the recorded greedy answer."""
+    """Per drafter and prompt, each fixed block's and adaptive mode's committed tokens per second relative to plain
+    steps, replayed on the recorded greedy answer. `args.walk`: one walk (`dflash2 replay`) or bench's list."""
     if args.temp and any(t > 0 for t in args.temp):
         raise ValueError("--replay replays greedy answers (T = 0) only: drop --temp, or bench at T > 0 without it")
-    if args.walk and len(args.walk) > 1:
+    walks = [args.walk] if isinstance(args.walk, str) else args.walk or ["greedy"]
+    if len(walks) > 1:
         raise ValueError("--replay replays one walk at a time: give one --walk")
     given = read_costs(args.costs) if args.costs else None  # a bad file fails here, before any recording
     known = load_traces(args.replay_traces)
     asked = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else []
-    walk = (args.walk or ["greedy"])[0]
+    walk = walks[0]
     eos = list(tokenizer.eos_token_ids)
     lines, rows, curves = [], [], {}
     for label, drafter in drafters:
@@ -227,3 +229,44 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked, "costs": curves,
                                                "context": context}, indent=1))
     return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay plain steps, fixed blocks and adaptive mode on recorded drafts, timed on a cost curve (T = 0)",
+        description="Record each drafter's proposals and confidences along the target's greedy answers (once: "
+        "--traces keeps them), then replay plain steps, the fixed blocks of --block-sizes and adaptive mode on "
+        "them, timed on this machine's measured cost curve (or --costs): committed tokens per second relative to "
+        "plain steps, the policies' decisions without timing noise.",
+    )
+    add_bench_model_args(p)
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
+    p.add_argument("--max-tokens", type=int, default=128, help="length of each recorded answer, at most")
+    p.add_argument("--block-sizes",
+                   help="comma-separated fixed block sizes to replay (default: each drafter's default)")
+    p.add_argument("--walk", choices=["greedy", "viterbi"], default="greedy",
+                   help="the DFlash 2 path walk the drafts are recorded with (default greedy)")
+    p.add_argument("--traces", "--replay-traces", dest="replay_traces", metavar="FILE",
+                   help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
+    p.add_argument("--costs", metavar="FILE",
+                   help="replay on the cost curve in this JSON file instead of this machine's (a costs cache such as "
+                   "~/.cache/dflash2/costs.json, one {\"verify_s\": [...], \"draft_s\": [...]} object, or a replay "
+                   "report's \"costs\")")
+    p.add_argument("--jitter", "--replay-jitter", dest="replay_jitter", type=int, default=0, metavar="N",
+                   help=f"also replay on N cost curves within +-{JITTER * 100:.0f}%% of the measured one and report "
+                   "adaptive mode averaged over them (a single curve's decisions swing by several percent)")
+    p.add_argument("--json", metavar="OUT", help="write the rows, the block sizes and the cost curves here")
+    p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
+    p.set_defaults(run=run, temp=None)  # greedy answers only: no --temp
+
+
+def run(args) -> int:
+    """`dflash2 replay` (and `dflash2 bench --replay`): load the target, the drafters and the prompts, and replay."""
+    if args.replay_jitter < 0:
+        raise ValueError(f"--jitter/--replay-jitter is a number of curves (0: none), got {args.replay_jitter}")
+    use_metal(args.kernels)  # a setting this machine cannot run fails here, before any loading
+    model, tokenizer, drafters, _ = load_bench_models(args)
+    _, prompts = bench_prompts(args, tokenizer)
+    return replay_report(args, model, tokenizer, prompts, drafters)

@@ -11,9 +11,10 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from dflash2_apps.cli import main
+from dflash2_apps.cli import main, make_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_FIELDS = {
@@ -121,6 +122,7 @@ def test_an_unexpected_error_names_its_type_and_causes(capsys, monkeypatch):
     ]
 
 
+@pytest.mark.slow
 def test_verbose_shows_the_traceback(capsys, monkeypatch):
     import dflash2_apps.info
 
@@ -139,18 +141,92 @@ def test_verbose_shows_the_traceback(capsys, monkeypatch):
         "a hub id (owner/name)"
 
 
+@pytest.mark.slow
 def test_only_the_running_commands_module_is_imported():
     """`dflash2 export ...` imports the export module, not the bench's or the server's (start-up time), and
     `dflash2 --help` still lists every command."""
-    code = ("import sys; from dflash2_apps.cli import COMMANDS, make_parser; "
+    code = ("import sys; from dflash2_apps.cli import COMMANDS, make_parser, module_of; "
             "make_parser('export').parse_args(['export', '--mlx-path', 'a', '--hf-path', 'b']); "
-            "print(sorted(c for c in COMMANDS if 'dflash2_apps.' + c in sys.modules)); "
+            "print(sorted(c for c in COMMANDS if module_of(c) in sys.modules)); "
             "print(sorted(make_parser('export')._subparsers._group_actions[0].choices))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["['export']", str(sorted(["generate", "serve", "chat", "convert", "export", "data",
-                                                          "train", "bench", "info"]))]
+                                                          "train", "bench", "replay", "tree-sim", "info"]))]
 
 
+def test_replay_and_tree_sim_flags_parse_under_both_spellings():
+    """`dflash2 replay` and `dflash2 tree-sim` take their short flag names and bench's longer ones (what
+    `bench --replay` and `bench --tree-sim` were given) into the same places."""
+    replay = make_parser("replay")
+    short = replay.parse_args(["replay", "--traces", "t.json", "--jitter", "3", "--walk", "viterbi", "--costs", "c"])
+    assert (short.replay_traces, short.replay_jitter, short.walk, short.costs) == ("t.json", 3, "viterbi", "c")
+    assert short.temp is None and short.max_tokens == 128 and short.run.__module__ == "dflash2_apps.replay"
+    long = replay.parse_args(["replay", "--replay-traces", "t.json", "--replay-jitter", "3"])
+    assert (long.replay_traces, long.replay_jitter, long.walk) == ("t.json", 3, "greedy")
+    sim = make_parser("tree-sim")
+    short = sim.parse_args(["tree-sim", "data", "--budgets", "1,4", "--samples", "2", "--block-sizes", "4"])
+    long = sim.parse_args(["tree-sim", "data", "--tree-budgets", "1,4", "--tree-sim-samples", "2", "--block-sizes", "4"])
+    for args in (short, long):
+        assert (args.tree_sim, args.tree_budgets, args.tree_sim_samples, args.block_sizes) == ("data", "1,4", 2, "4")
+    assert short.run.__module__ == "dflash2_apps.tree_sim"
+    with pytest.raises(SystemExit):
+        sim.parse_args(["tree-sim"])  # DATA is required
+    with pytest.raises(SystemExit):
+        replay.parse_args(["replay", "--temp", "0.7"])  # greedy answers only: no --temp
+
+
+def test_replay_runs_as_a_command_and_bench_replay_says_so(tiny_pair, tmp_path, capsys):
+    """`dflash2 replay` writes the replay report; `bench --replay` (bench's flag names) says once on stderr that it
+    is `dflash2 replay` now and writes the same report."""
+    from dflash2_mlx.adaptive import CostModel, FixedBlocks
+    from dflash2_mlx.replay import Trace, replay
+
+    target, drafter = tiny_pair
+    suite, costs, traces = tmp_path / "prompts.jsonl", tmp_path / "costs.json", tmp_path / "traces.json"
+    suite.write_text(json.dumps({"prompt": "w1 w2 w3 w4"}) + "\n")
+    curve = {"verify_s": [0.1 + 0.01 * n for n in range(8)], "draft_s": [0.02] * 7}  # the drafter's blocks: to 8
+    costs.write_text(json.dumps(curve))
+    common = ["--model", str(target), "--draft-model", str(drafter), "--prompts", str(suite), "--num-prompts", "1",
+              "--max-tokens", "12", "--block-sizes", "3", "--costs", str(costs)]
+    notice = "dflash2 bench: --replay is the command `dflash2 replay` now"
+    assert main(["replay", *common, "--traces", str(traces), "--json", str(tmp_path / "a.json")]) == 0
+    assert notice not in capsys.readouterr().err
+    report = json.loads((tmp_path / "a.json").read_text())
+    (row,) = report["replay"]
+    kept = next(iter(json.loads(traces.read_text()).values()))
+    trace = Trace(kept["tokens"], {int(B): d for B, d in kept["drafts"].items()})
+    assert row["fixed"]["3"] == pytest.approx(replay(trace, FixedBlocks(3), CostModel(**curve), 12).tokens_per_s
+                                              * curve["verify_s"][0])
+    assert main(["bench", "--replay", *common, "--replay-traces", str(traces), "--json", str(tmp_path / "b.json")]) == 0
+    assert capsys.readouterr().err.count(notice) == 1
+    assert json.loads((tmp_path / "b.json").read_text())["replay"] == report["replay"]
+    assert main(["replay", *common, "--jitter", "-1"]) == 2
+    assert "--jitter/--replay-jitter is a number of curves (0: none), got -1" in capsys.readouterr().err
+
+
+def test_tree_sim_runs_as_a_command_and_bench_tree_sim_says_so(tiny_pair, tmp_path, capsys):
+    """`dflash2 tree-sim DATA` prints the teacher-forced tau table; `bench --tree-sim DATA` says once on stderr that
+    it is `dflash2 tree-sim DATA` now and prints the same table."""
+    from dflash2_mlx.formats.shards import Sample, write_shard
+
+    target, drafter = tiny_pair
+    tokens = np.array([3, 9, 4, 1, 7] + [10 + (7 * i) % 200 for i in range(20)], np.int32)
+    write_shard(tmp_path / "shard-00000.npz", [Sample("a", tokens, 5, True), Sample("b", tokens, 5, False)])
+    common = ["--model", str(target), "--draft-model", str(drafter)]
+    notice = "dflash2 bench: --tree-sim DATA is the command `dflash2 tree-sim DATA` now"
+    assert main(["tree-sim", str(tmp_path), *common, "--budgets", "1,4", "--markdown", str(tmp_path / "a.md")]) == 0
+    out, err = capsys.readouterr()
+    assert notice not in err
+    table = (tmp_path / "a.md").read_text()
+    assert table.startswith(f"Made by `dflash2 tree-sim {tmp_path} --model {target} ")
+    assert f"teacher-forced tau on 1 held-out samples of {tmp_path}" in out and "| tree 1 | tree 4 |" in out
+    assert "| drafter | 8 | 13 | " in out  # 20 response tokens: the anchors with 7 after them
+    assert main(["bench", "--tree-sim", str(tmp_path), *common, "--tree-budgets", "1,4"]) == 0
+    alias_out, alias_err = capsys.readouterr()
+    assert alias_err.count(notice) == 1 and alias_out == out
+
+
+@pytest.mark.slow
 def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     """Build the wheel, install it into a fresh environment (dependencies from this one), and run the
     installed `dflash2` from a folder that is not the checkout."""
