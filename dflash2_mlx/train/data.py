@@ -20,6 +20,7 @@ import numpy as np
 from ..formats.shards import Sample, read_shards, write_shard
 from ..loading import load_target
 from ..prompts import HELDOUT_EVERY, is_heldout, sharegpt_conversations
+from . import torch_engine
 
 def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
     """Token ids of samples `picked`, right-padded with zeros to `length` (default: the longest): [S, length]."""
@@ -56,19 +57,17 @@ def pick_engine(engine: str, temperature: float, model) -> str:
         temperature (float): the responses' sampling temperature.
         model: the loaded target.
     """
-    from .torch_engine import cpu_has_fast_bf16, supported, torch_available
-
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "torch":
-        if not torch_available():
+        if not torch_engine.torch_available():
             raise ValueError("--engine torch needs PyTorch: pip install torch (or use --engine mlx)")
         if temperature != 0:
             raise ValueError("the torch engine decodes greedily: use --temp 0 or --engine mlx")
         return engine
     if engine == "auto":
-        fast = not mx.metal.is_available() and cpu_has_fast_bf16() and torch_available()
-        if fast and temperature == 0 and supported(model):
+        fast = not mx.metal.is_available() and torch_engine.cpu_has_fast_bf16() and torch_engine.torch_available()
+        if fast and temperature == 0 and torch_engine.supported(model):
             return "torch"
         return "mlx"
     return engine
@@ -177,9 +176,7 @@ def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_inde
 
 def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
     """(index into `pending`, response ids), greedy, by `torch_engine.generate_greedy` in finishing order."""
-    from .torch_engine import generate_greedy
-
-    yield from generate_greedy(model, [ids for _, ids, _ in pending], settings.max_new_tokens,
+    yield from torch_engine.generate_greedy(model, [ids for _, ids, _ in pending], settings.max_new_tokens,
                                tokenizer.eos_token_ids, slots=settings.batch_size,
                                max_prompt_tokens=settings.max_prompt_tokens)
 
