@@ -6,7 +6,9 @@ part.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,14 +23,16 @@ from dflash2_mlx.server import build_server as build_app_server
 
 log = logging.getLogger("dflash2.serve")
 
+API_KEY_VARIABLE = "DFLASH2_API_KEY"  # --api-key's default, where the key stays out of `ps`
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (chat and text completions, streaming or not)",
         description="Serve the target, speculatively with a DFlash drafter, over OpenAI's API: POST "
-        "/v1/chat/completions and /v1/completions, GET /v1/models and /health. The generation flags are the "
-        "defaults of requests that do not set them.",
+        "/v1/chat/completions and /v1/completions, GET /v1/models, /health and /metrics. The generation flags are "
+        "the defaults of requests that do not set them.",
     )
     common.add_model_args(p)
     common.add_sampling_args(p)
@@ -56,6 +60,21 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
                    help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
                    "at a time, always speculatively (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
+                   help="a key every client must send ('Authorization: Bearer KEY' or 'x-api-key: KEY'; else 401), "
+                   f"on every route but /health (default: ${API_KEY_VARIABLE}, else none; the variable keeps the key "
+                   "out of the process list)")
+    p.add_argument("--allowed-origins", type=origins, default=d.allowed_origins, metavar="ORIGIN,...",
+                   help="browser origins given CORS headers, comma-separated, e.g. http://localhost:3000, or '*' for "
+                   "any (default: none, so no web page can call the server)")
+    p.add_argument("--max-body-bytes", type=byte_size, default=d.max_body_bytes,
+                   help="longest request body, in bytes or e.g. 16MB; longer ones get 413 (default %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout,
+                   help="seconds a client has to send a request's headers and body; past it the connection is "
+                   "dropped (default %(default)s)")
+    p.add_argument("--chat-template-args", type=template_args, default=None, metavar="JSON",
+                   help="keyword arguments for the chat template, as mlx_lm.server's flag, e.g. "
+                   "'{\"enable_thinking\": false}'; a request's chat_template_kwargs update them")
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
     p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                    help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
@@ -64,8 +83,32 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def origins(text: str) -> tuple[str, ...]:
+    """An --allowed-origins value: origins (scheme://host[:port]) or '*', comma-separated."""
+    found = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    bad = [o for o in found if o != "*" and "://" not in o]
+    if not found or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give origins as scheme://host[:port] (e.g. "
+                                         "http://localhost:3000), comma-separated, or '*' for any")
+    return found
+
+
+def template_args(text: str) -> dict:
+    """A --chat-template-args value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'") \
+            from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: give one, e.g. "
+                                         "'{\"enable_thinking\": false}'")
+    return value
+
+
 def byte_size(text: str) -> int:
-    """A --prompt-cache-bytes value: bytes, or a number with M, MB, G or GB (mlx_lm.server's reading)."""
+    """A --prompt-cache-bytes or --max-body-bytes value: bytes, or a number with M, MB, G or GB (mlx_lm.server's
+    reading)."""
     try:
         return parse_size(text)
     except (KeyError, ArithmeticError, ValueError):
@@ -86,7 +129,10 @@ def settings_of(args) -> ServeSettings:
     return ServeSettings(host=args.host, port=args.port, queue_size=args.queue_size,
                          request_timeout=args.request_timeout, context_length=args.context_length,
                          prompt_cache=args.prompt_cache, prompt_cache_size=args.prompt_cache_size,
-                         prompt_cache_bytes=args.prompt_cache_bytes, decode_concurrency=args.decode_concurrency)
+                         prompt_cache_bytes=args.prompt_cache_bytes, decode_concurrency=args.decode_concurrency,
+                         api_key=args.api_key, allowed_origins=args.allowed_origins,
+                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                         chat_template_args=args.chat_template_args)
 
 
 def build_server(args, loaded: tuple | None = None):
@@ -134,6 +180,9 @@ def run(args) -> int:
         mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
         also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
         print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
+        if args.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
+            print(f"[dflash2] {host} is reachable from other machines and no --api-key is set: anyone who reaches "
+                  "it can use the model", file=sys.stderr, flush=True)
         if app.sharded:
             print(f"[dflash2] the target is sharded {app.sharded['mode']}-parallel over {app.sharded['processes']} "
                   "processes: requests run one at a time (no batched decoding, which would run the model in one "

@@ -4,8 +4,11 @@ and `build_server`, which makes an `App` and its HTTP server from a loaded model
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from http.server import ThreadingHTTPServer
 
 from .. import distributed
@@ -16,7 +19,7 @@ from ..target import Target
 from ..tree import TREE_BUDGET_MAX, default_budget
 from .http import make_server
 from .protocol import GenerationArguments, RequestParser
-from .scheduler import Worker
+from .scheduler import COUNTS, Worker
 
 log = logging.getLogger("dflash2.serve")
 
@@ -34,6 +37,21 @@ class ServeSettings:
     prompt_cache_size: int = 10  # prompt-cache slots (distinct cached sequences), as mlx_lm.server's flag
     prompt_cache_bytes: int | None = None  # their byte budget; None: bounded by the slot count alone
     decode_concurrency: int = 32  # most requests decoded together (mlx_lm.server's flag); more wait queued
+    api_key: str | None = field(default=None, repr=False)  # required of every client (Bearer or x-api-key)
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any); none by default
+    max_body_bytes: int = 16 << 20  # a longer request body gets 413
+    read_timeout: float = 30.0  # seconds a client has to send a request's headers and body; then it is dropped
+    chat_template_args: Mapping | None = None  # keyword arguments of every chat template call (requests add theirs)
+
+    def __post_init__(self):
+        if self.read_timeout <= 0:
+            raise ValueError(f"--read-timeout must be > 0 seconds, got {self.read_timeout:g}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty: give a key, or leave it unset to serve without one")
+        if self.chat_template_args is not None and not isinstance(self.chat_template_args, Mapping):
+            raise ValueError("--chat-template-args must be a JSON object, e.g. '{\"enable_thinking\": false}'")
 
 
 def warm_start(model, drafter, defaults: GenerationArguments) -> dict:
@@ -103,13 +121,48 @@ class App:
         if self.context_length is None:
             log.warning("the model does not say its context length: prompts are not checked against one "
                         "(set --context-length)")
-        self.parser = RequestParser(tokenizer, self.defaults, self.model_names, self.vocab_size, self.context_length)
+        mode = self.defaults.verify_mode
+        draft_tokens = 0 if drafter is None or mode == "off" else \
+            resolve_block_size(drafter, self.defaults.block_size, mode) - 1
+        self.parser = RequestParser(tokenizer, self.defaults, self.model_names, self.vocab_size, self.context_length,
+                                    draft_tokens, settings.chat_template_args)
+        self.responses: Counter = Counter()  # HTTP answers sent, by status code (`count_response`)
+        self._responses_lock = threading.Lock()
         # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
         concurrency = 1 if self.sharded else settings.decode_concurrency
         self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache,
                              prompt_cache_size=settings.prompt_cache_size,
                              prompt_cache_bytes=settings.prompt_cache_bytes, decode_concurrency=concurrency)
         self.created = int(time.time())
+
+    def count_response(self, status: int) -> None:
+        """Count an HTTP answer sent (the handlers' threads call this)."""
+        with self._responses_lock:
+            self.responses[status] += 1
+
+    def metrics(self) -> str:
+        """The server's counters and gauges in Prometheus' text format (GET /metrics)."""
+        worker = self.worker
+        lines = []
+
+        def metric(name: str, kind: str, what: str, samples) -> None:
+            lines.extend([f"# HELP dflash2_{name} {what}", f"# TYPE dflash2_{name} {kind}"])
+            lines.extend(f"dflash2_{name}{labels} {value}" for labels, value in samples)
+
+        counts = dict(worker.counts)
+        for key, what in COUNTS.items():
+            metric(f"{key}_total", "counter", what, [("", counts[key])])
+        metric("http_responses_total", "counter", "HTTP answers sent, by status code",
+               [(f'{{code="{code}"}}', n) for code, n in sorted(self.responses.copy().items())])
+        gauges = {"queue_length": ("requests waiting for the worker", worker.jobs.qsize()),
+                  "active_requests": ("requests generating now", len(worker.active)),
+                  "batch_size": ("requests in the batch's last decode step (0: none batched)", worker.batch_size),
+                  "batch_size_max": ("the most requests one decode step has served", worker.batch_size_max),
+                  "prompt_cache_slots": ("sequences the prompt cache holds", worker.cache_info["slots"]),
+                  "prompt_cache_bytes": ("bytes the prompt cache holds", worker.cache_info["bytes"])}
+        for name, (what, value) in gauges.items():
+            metric(name, "gauge", what, [("", value)])
+        return "\n".join(lines) + "\n"
 
     def close(self) -> bool:
         """End every job; True once no generation runs."""

@@ -3,10 +3,17 @@
 A handler thread reads and parses a request (`App.parser`), queues its job on the worker (a full queue answers
 503 with Retry-After), then relays the job's records as they come: one JSON answer, or server-sent events with
 `"stream": true`. It polls its client while it waits: a client that leaves cancels its job.
+
+Limits, from the server's settings (`ServeSettings`): a client has `read_timeout` seconds to send a request's
+headers and body (then its connection is dropped, its thread freed), a body over `max_body_bytes` gets 413; with
+an `api_key`, every route but /health and CORS preflights needs it (`Authorization: Bearer KEY` or
+`x-api-key: KEY`), else 401; browsers from `allowed_origins` get CORS headers, others none.
 """
 
 from __future__ import annotations
 
+import hmac
+import io
 import json
 import logging
 import queue
@@ -25,14 +32,41 @@ from .scheduler import Job
 
 log = logging.getLogger("dflash2.serve")
 
-MAX_BODY_BYTES = 16 << 20
+CORS_HEADERS = "Authorization, Content-Type, X-API-Key"  # what a browser's request may send
+EXPOSED_HEADERS = "Retry-After, X-DFlash-Verify-Mode, X-DFlash-Tau, X-DFlash-Cycles"  # what its script may read
 GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
+LISTEN_BACKLOG = 128  # connections the kernel queues for accept
 
 
 class ClientGone(Exception):
     """The client closed its connection while its request ran."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's reads, each failing with TimeoutError once `deadline` (time.monotonic()) has passed: the
+    whole request (headers and body) must arrive by then, however slowly it trickles in. None: no deadline, the
+    socket left as it is.
+
+    Args:
+        sock: the connection.
+    """
+
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.sock, self.deadline = sock, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request did not arrive within the read timeout")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -46,6 +80,58 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
         # a client that stops reading cannot hold its thread (and the server's shutdown) for long
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT_SECONDS, 0))
+        # nor can one that sends half a request: reads fail past the read timeout (`handle_one_request`)
+        self.reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self):
+        """One request, whose headers and body must arrive within --read-timeout: past it the standard library's
+        handler (headers) or `_read_json` (body) gives up, and the connection closes."""
+        self.reader.deadline = time.monotonic() + self.app.settings.read_timeout
+        super().handle_one_request()
+
+    def _reading_done(self) -> None:
+        """The request is read: the socket blocks again (its send timeout applies; the client polls need it)."""
+        if self.reader.deadline is not None:
+            self.reader.deadline = None
+            self.connection.settimeout(None)
+
+    def send_response(self, code, message=None):
+        self._reading_done()
+        self.app.count_response(code)
+        super().send_response(code, message)
+
+    def end_headers(self):
+        """Every answer's headers end here: CORS headers go on those to an allowed origin."""
+        origin = self._allowed_origin()
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Access-Control-Expose-Headers", EXPOSED_HEADERS)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def _allowed_origin(self) -> str | None:
+        """The Access-Control-Allow-Origin a request's Origin gets ("*" when any is allowed), None for none."""
+        headers = getattr(self, "headers", None)  # unset when the request line itself was bad
+        origin = headers.get("Origin") if headers is not None else None
+        allowed = self.app.settings.allowed_origins
+        if origin is None or not allowed:
+            return None
+        return "*" if "*" in allowed else origin if origin in allowed else None
+
+    def _check_key(self) -> None:
+        """A 401 unless the request carries the server's API key (none set: every request passes)."""
+        key = self.app.settings.api_key
+        if key is None:
+            return
+        bearer = self.headers.get("Authorization", "")
+        given = [bearer[7:].strip() if bearer[:7].lower() == "bearer " else "", self.headers.get("x-api-key", "")]
+        # compare_digest on bytes: its time does not depend on where a guess first differs
+        if not any(hmac.compare_digest(g.encode(), key.encode()) for g in given):
+            self.close_connection = True
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY' (or 'x-api-key: "
+                           "KEY') with the key the server was started with (--api-key)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
 
     def log_message(self, format, *args):  # noqa: A002 -- the standard library's name
         log.info("%s %s", self.address_string(), format % args)
@@ -91,9 +177,32 @@ class Handler(BaseHTTPRequestHandler):
                 return
 
     # -- routes --------------------------------------------------------------------------------------------
+    def do_OPTIONS(self):
+        """A CORS preflight: an allowed origin gets the methods and headers it may use; others nothing more."""
+        self.send_response(204)
+        self.send_header("Allow", "GET, POST, OPTIONS")
+        if self._allowed_origin() is not None:
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers", CORS_HEADERS)
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_GET(self):
         app = self.app
-        if self.path.rstrip("/") == "/v1/models":
+        if self.path != "/health":
+            try:
+                self._check_key()
+            except ApiError as e:
+                return self._send_error(e)
+        if self.path == "/metrics":
+            data = app.metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif self.path.rstrip("/") == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
                 {"id": name, "object": "model", "created": app.created, "owned_by": "dflash2"}
                 for name in app.model_names]})
@@ -122,6 +231,7 @@ class Handler(BaseHTTPRequestHandler):
         kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path.rstrip("/"))
         job = None
         try:
+            self._check_key()
             if kind is None:
                 raise ApiError(404, f"no route POST {self.path}", code="not_found")
             request = self.app.parser.parse(kind, self._read_json())
@@ -146,9 +256,21 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise ApiError(411, "a Content-Length header is required")
-        if int(length) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(int(length))
+        limit = self.app.settings.max_body_bytes
+        if int(length) > limit:
+            self.close_connection = True
+            raise ApiError(413, f"the request body ({length} bytes) is over the server's limit of {limit} bytes "
+                           "(--max-body-bytes)")
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(408, f"the request body did not arrive within {self.app.settings.read_timeout:g} s "
+                           "(--read-timeout)", code="timeout") from None
+        self._reading_done()
+        if len(raw) < int(length):
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(raw)} of its {length} bytes (Content-Length)")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -274,6 +396,9 @@ def make_server(app) -> ThreadingHTTPServer:
         app: the `App` its handlers share.
     """
     handler = type("DFlashHandler", (Handler,), {"app": app})
-    server = ThreadingHTTPServer((app.settings.host, app.settings.port), handler)
+    # connections the kernel queues before they are accepted (the standard library's 5 makes a burst of clients
+    # wait for SYN retries, seconds each)
+    server_class = type("DFlashHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": LISTEN_BACKLOG})
+    server = server_class((app.settings.host, app.settings.port), handler)
     server.daemon_threads = False
     return server

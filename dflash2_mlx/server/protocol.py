@@ -8,8 +8,13 @@ naming the field and what it must be. Every field's fate:
 - read: `model`, `stream`, `stream_options.include_usage`, `n` (must be 1), `max_tokens`,
   `max_completion_tokens` (the later wins), `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
   `logprobs`, `top_logprobs`, and mlx_lm.server's `repetition_penalty`, `repetition_context_size`,
-  `logit_bias`; chat: `messages`, `tools`, `tool_choice`; text: `prompt`.
-- accepted and not acted on: `IGNORED_FIELDS`, each with why (logged at debug level when sent).
+  `presence_penalty`, `presence_context_size`, `frequency_penalty`, `frequency_context_size`, `logit_bias`
+  (its logits processors), `xtc_probability`, `xtc_threshold` (its XTC sampler, run by plain decoding),
+  `chat_template_kwargs`; chat: `messages`, `tools`, `tool_choice`; text: `prompt`.
+- read and refused unless they ask for what this server does: `draft_model` (its one drafter),
+  `num_draft_tokens` (its draft length), `adapters` (none): `REFUSED_FIELDS` says why.
+- accepted and not acted on: `IGNORED_FIELDS`, each with why (logged at debug level when sent); mlx_lm.server
+  does not act on them either.
 - anything else: ignored, as mlx_lm.server ignores what it does not know (OpenAI's clients send fields of
   other servers through `extra_body`).
 """
@@ -18,11 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, fields, replace
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..adaptive import CostModel
 from ..generate import encode_text
@@ -38,19 +44,22 @@ IGNORED_FIELDS = {
     "store": "OpenAI's stored completions: nothing is stored",
     "service_tier": "OpenAI's processing tiers: one here",
     "parallel_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
-    "presence_penalty": "not applied (mlx_lm.server applies it): use repetition_penalty",
-    "frequency_penalty": "not applied (mlx_lm.server applies it): use repetition_penalty",
-    "presence_context_size": "not applied, as presence_penalty",
-    "frequency_context_size": "not applied, as frequency_penalty",
-    "xtc_probability": "mlx_lm.server's XTC sampler: not applied",
-    "xtc_threshold": "mlx_lm.server's XTC sampler: not applied",
-    "draft_model": "mlx_lm.server's draft model: the drafter is the one `dflash2 serve` loaded",
-    "num_draft_tokens": "mlx_lm.server's draft length: --block-size and --verify-mode set it here",
-    "adapters": "mlx_lm.server's LoRA adapters: not loaded per request",
-    "chat_template_kwargs": "not passed to the chat template",
-    "role_mapping": "mlx_lm.server's prompt format for templateless models: chat needs a template here",
-    "response_format": "OpenAI's structured output: the text is not constrained",
+    "role_mapping": "mlx_lm.server's prompt format for templateless models, which it ignores where the tokenizer "
+                    "has a chat template: chat here needs one (a templateless model serves /v1/completions)",
+    "response_format": "OpenAI's structured output: the text is not constrained (mlx_lm.server does not read it)",
 }
+
+REFUSED_FIELDS = {
+    "draft_model": "this server drafts with the drafter it was started with (--draft-model): leave draft_model "
+                   "unset (or \"default_model\")",
+    "num_draft_tokens": "the draft length is the server's --block-size (B drafts B - 1 tokens per cycle): leave "
+                        "num_draft_tokens unset (or give that length)",
+    "adapters": "this server loads no adapters per request: fuse the adapter into the model (mlx_lm.fuse) and "
+                "serve the fused model",
+}
+
+# keys the server gives the chat template itself: a request's chat_template_kwargs may not set them
+TEMPLATE_OWN_KWARGS = ("add_generation_prompt", "tools", "tokenize", "return_dict", "conversation", "messages")
 
 
 class ApiError(Exception):
@@ -87,6 +96,9 @@ class GenerationArguments:
     eos_token_ids: Sequence[int] | None = None  # None: the tokenizer's
     logits_processors: Sequence | None = None
     costs: CostModel | None = None  # adaptive mode's cost model, measured once at startup (`warm_start`)
+    # mlx-lm's own sampler, drawn from by plain decoding instead of temp/top_p/top_k/min_p (which then only say
+    # what it was made with): a request's XTC, whose distribution no draft can be verified against
+    sampler: Callable | None = None
     logprobs: int | None = None  # per token, its logprob and this many top ones; None: no logprobs
 
     @classmethod
@@ -106,8 +118,10 @@ class GenerationArguments:
         return cls(**kwargs)
 
     def cycle_kwargs(self) -> dict:
-        """`stream_cycles`' keyword arguments (all but `logprobs`, which the worker reads itself)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "logprobs"}
+        """`stream_cycles`' keyword arguments (all but `logprobs`, which the worker reads itself; with a `sampler`,
+        which `stream_cycles` takes instead of them, temp/top_p/top_k/min_p neither)."""
+        left_out = {"logprobs", *(("temp", "top_p", "top_k", "min_p") if self.sampler is not None else ())}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
 
 
 @dataclass(frozen=True)
@@ -133,12 +147,18 @@ class RequestParser:
         model_names: the names clients may use in 'model', the model's id first.
         vocab_size: the target's vocabulary size, which token ids and `logit_bias` keys must be below.
         context_length: longest prompt + max_tokens accepted; None: unchecked.
+        draft_tokens: the drafts per cycle the server's block size makes (B - 1), the one `num_draft_tokens`
+            a request may name; None: no drafter (plain decoding).
+        chat_template_args: keyword arguments for every chat template call (--chat-template-args), which a
+            request's `chat_template_kwargs` update.
     """
 
     def __init__(self, tokenizer, defaults: GenerationArguments, model_names: Sequence[str], vocab_size: int,
-                 context_length: int | None):
+                 context_length: int | None, draft_tokens: int | None = None,
+                 chat_template_args: Mapping | None = None):
         self.tokenizer, self.defaults, self.model_names = tokenizer, defaults, list(model_names)
-        self.vocab_size, self.context_length = vocab_size, context_length
+        self.vocab_size, self.context_length, self.draft_tokens = vocab_size, context_length, draft_tokens
+        self.chat_template_args = dict(chat_template_args or {})
 
     def parse(self, kind: Literal["chat", "text"], body) -> CompletionRequest:
         """The request a body makes.
@@ -176,6 +196,8 @@ class RequestParser:
             raise ApiError(400, str(e).replace("temperature", "'temperature'")) from None
         seed = _field(body, "seed", int, d.seed, expect="an integer")
         processors = self._processors(body) or d.logits_processors
+        sampler = self._xtc_sampler(body, temp, top_p, top_k, min_p)
+        self._refused(body)
         stop = _field(body, "stop", (str, list), [], expect="a string or a list of strings")
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) for s in stop):
@@ -195,6 +217,8 @@ class RequestParser:
             limit = d.max_tokens if context is None else min(d.max_tokens, context - n)
         generation = replace(d, max_tokens=limit, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                              logits_processors=processors, logprobs=logprobs)
+        if sampler is not None:  # mlx-lm's XTC sampler, drawn from as mlx-lm draws: plain decoding
+            generation = replace(generation, sampler=sampler, verify_mode="off")
         return CompletionRequest(kind, model, prompt, generation, stream, include_usage, tuple(stop), tools)
 
     def served_name(self, model: str | None) -> str:
@@ -209,10 +233,15 @@ class RequestParser:
         return model
 
     def _processors(self, body: dict) -> list:
-        """mlx-lm's logits processors from the request's `repetition_penalty`, `repetition_context_size` and
-        `logit_bias` ({"token id": bias}, OpenAI's shape), as mlx-lm's server reads them (0 = no penalty)."""
+        """mlx-lm's logits processors from the request's `repetition_penalty`, `presence_penalty`,
+        `frequency_penalty` (each with its `_context_size`, default 20) and `logit_bias` ({"token id": bias},
+        OpenAI's shape), as mlx_lm.server reads them (0 = no penalty) and builds them (`make_logits_processors`)."""
         penalty = _field(body, "repetition_penalty", (int, float), 0.0, lambda v: v >= 0, expect="a number >= 0")
         size = _field(body, "repetition_context_size", int, 20, lambda v: v >= 1, expect="an integer >= 1")
+        presence = _field(body, "presence_penalty", (int, float), 0.0, math.isfinite, expect="a number")
+        presence_size = _field(body, "presence_context_size", int, 20, lambda v: v >= 1, expect="an integer >= 1")
+        frequency = _field(body, "frequency_penalty", (int, float), 0.0, math.isfinite, expect="a number")
+        frequency_size = _field(body, "frequency_context_size", int, 20, lambda v: v >= 1, expect="an integer >= 1")
         bias = _field(body, "logit_bias", dict, None, expect="an object of token id to bias")
         if bias:
             ids = [int(k) if isinstance(k, str) and k.strip().isdigit() else -1 for k in bias]
@@ -221,7 +250,43 @@ class RequestParser:
                 raise ApiError(400, "'logit_bias' must map token ids (as strings, each below the vocabulary size "
                                f"{self.vocab_size}) to numbers, e.g. {{\"42\": -100}}", param="logit_bias")
             bias = {i: float(v) for i, v in zip(ids, bias.values())}
-        return make_logits_processors(logit_bias=bias, repetition_penalty=penalty, repetition_context_size=size)
+        return make_logits_processors(logit_bias=bias, repetition_penalty=penalty, repetition_context_size=size,
+                                      presence_penalty=presence, presence_context_size=presence_size,
+                                      frequency_penalty=frequency, frequency_context_size=frequency_size)
+
+    def _xtc_sampler(self, body: dict, temp, top_p, top_k, min_p):
+        """mlx_lm.server's sampler for a request with `xtc_probability` > 0 (and `xtc_threshold`, default 0.1),
+        made as it makes it; None without XTC, or at temperature 0, where mlx-lm's sampler is greedy and XTC
+        changes nothing."""
+        probability = _field(body, "xtc_probability", (int, float), 0.0, lambda v: 0 <= v <= 1,
+                             expect="a number in 0..1")
+        threshold = _field(body, "xtc_threshold", (int, float), 0.1, lambda v: 0 <= v <= 1,
+                           expect="a number in 0..1")
+        if probability == 0 or temp == 0:
+            return None
+        special = list(self.tokenizer.encode("\n")) + list(self.tokenizer.eos_token_ids)  # mlx_lm.server's
+        return make_sampler(temp, top_p=top_p, top_k=top_k, min_p=min_p, xtc_probability=float(probability),
+                            xtc_threshold=float(threshold), xtc_special_tokens=special)
+
+    def _refused(self, body: dict) -> None:
+        """A 400 for `REFUSED_FIELDS` that ask for what this server does not do."""
+        asked = {"draft_model": body.get("draft_model") not in (None, "default_model"),
+                 "num_draft_tokens": body.get("num_draft_tokens") not in (None, self.draft_tokens),
+                 "adapters": body.get("adapters") is not None}
+        for name, refused in asked.items():
+            if refused:
+                raise ApiError(400, f"'{name}' ({json.dumps(body[name])}) cannot be honoured: "
+                               f"{REFUSED_FIELDS[name]}", param=name)
+
+    def _template_kwargs(self, body: dict) -> dict:
+        """The chat template's keyword arguments: --chat-template-args, updated by the request's
+        `chat_template_kwargs` (e.g. {"enable_thinking": false}), as mlx_lm.server merges them."""
+        asked = _field(body, "chat_template_kwargs", dict, {}, expect="an object of keyword arguments")
+        own = sorted(set(asked) & set(TEMPLATE_OWN_KWARGS))
+        if own:
+            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(own)}: the server passes "
+                           f"{', '.join(TEMPLATE_OWN_KWARGS)} itself", param="chat_template_kwargs")
+        return {**self.chat_template_args, **asked}
 
     def _prompt(self, kind: str, body: dict, tools: list | None = None) -> list[int]:
         if kind == "chat":
@@ -233,8 +298,10 @@ class RequestParser:
             messages = [_chat_message(i, m) for i, m in enumerate(messages)]
             if not self.tokenizer.has_chat_template:
                 raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
+            kwargs = self._template_kwargs(body)
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                         **kwargs)
             except Exception as e:  # the template's own checks (role order, ...) speak for themselves
                 raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
             return list(ids)

@@ -28,6 +28,20 @@ from .protocol import GenerationArguments
 
 log = logging.getLogger("dflash2.serve")
 
+# the worker's running totals (`Worker.counts`), each with what it counts
+COUNTS = {
+    "requests_finished": "requests whose generation ended at EOS, max_tokens or a stop string",
+    "requests_cancelled": "requests cancelled: the client left, or the server stopped",
+    "requests_timeout": "requests stopped at --request-timeout",
+    "requests_error": "requests whose generation failed",
+    "prompt_tokens": "prompt tokens of the requests ended",
+    "generation_tokens": "tokens generated",
+    "cycles": "speculative cycles (each verifies one block of drafts)",
+    "accepted_tokens": "draft tokens accepted by verification",
+    "prompt_cache_hits": "requests that started from a cached prefix",
+    "cached_tokens": "prompt tokens taken from the prompt cache instead of prefilled",
+}
+
 RESUME_MIN_TOKENS = 16  # a request left alone in the batch goes on speculatively if it has this many tokens to go
 RESUME_GRACE_STEPS = 2  # ... once it has been alone, nothing queued, for this many batch steps: a client's next
 # request (sent as its last answer ends) joins the batch then, sparing the request the move out and back
@@ -153,6 +167,7 @@ class Worker:
         self.batch_size_max = 0  # the most requests one decode step has served
         self.batched_steps = 0  # decode steps that served more than one request
         self.durations: deque = deque(maxlen=16)  # seconds of recent jobs, for Retry-After
+        self.counts = dict.fromkeys(COUNTS, 0)  # running totals since the start (`COUNTS`), for /metrics
         self.idle, self.closed = threading.Event(), False
         self.idle.set()
         self.thread = threading.Thread(target=self._loop, name="dflash2-worker", daemon=True)
@@ -191,6 +206,7 @@ class Worker:
             except queue.Empty:
                 break
             job.cancelled.set()
+            self.counts["requests_cancelled"] += 1
             job.events.put(("end", "cancelled", 0))
         for job in self.active:
             job.cancelled.set()
@@ -210,6 +226,7 @@ class Worker:
             except BaseException as e:  # noqa: BLE001 -- the worker outlives any one request
                 log.exception("generation failed")
                 for failed in self.active:
+                    self.counts["requests_error"] += 1
                     failed.events.put(("error", e))
             finally:
                 self.active, self.batch_size = [], 0
@@ -228,13 +245,28 @@ class Worker:
         """Make `job` active; False (its end sent) when it was cancelled or timed out while queued."""
         reason = self._stopped(job)
         if reason is not None:
+            self.counts[f"requests_{reason}"] += 1
             job.events.put(("end", reason, 0))
             return False
         job.started = time.monotonic()
         self.active = [*self.active, job]
         return True
 
+    def _send(self, job: Job, record: Record) -> None:
+        """Relay a record to its job's handler, counting its tokens."""
+        counts = self.counts
+        counts["generation_tokens"] += len(record.tokens)
+        if record.accepted is not None:
+            counts["cycles"] += 1
+            counts["accepted_tokens"] += record.accepted
+        job.events.put(("record", record))
+
     def _end(self, job: Job, reason: str, cached: int) -> None:
+        counts = self.counts
+        counts[f"requests_{reason}"] += 1
+        counts["prompt_tokens"] += len(job.prompt)
+        counts["prompt_cache_hits"] += cached > 0
+        counts["cached_tokens"] += cached
         job.events.put(("end", reason, cached))
         self.durations.append(time.monotonic() - job.started)
         self.active = [j for j in self.active if j is not job]
@@ -279,7 +311,7 @@ class Worker:
         try:
             for r in records:
                 generated += len(r.tokens)
-                job.events.put(("record", r if resumed is None else self._continued(r, resumed, generated)))
+                self._send(job, r if resumed is None else self._continued(r, resumed, generated))
                 if r.finish_reason:
                     break
                 reason = self._stopped(job) or reason
@@ -335,7 +367,7 @@ class Worker:
                 for r in responses:
                     e = entries[r.uid]
                     e.job.batch_size = max(e.job.batch_size, len(responses))
-                    e.job.events.put(("record", self._record(e, r.token, r.logprobs, r.finish_reason)))
+                    self._send(e.job, self._record(e, r.token, r.logprobs, r.finish_reason))
                     if r.finish_reason:
                         del entries[r.uid]
                         self._keep(PromptCache.of_target(self.model, r.all_tokens, r.prompt_cache))
@@ -403,7 +435,8 @@ class Worker:
         """Put `job` in the batch: `rest` still to run over `cache` (None: a fresh one), which covers `covered`;
         `generated` tokens of it were generated (and sent) before."""
         g = job.generation
-        sampler = None if not g.temp else make_sampler(g.temp, g.top_p, g.min_p, top_k=g.top_k)
+        sampler = g.sampler if g.sampler is not None else \
+            None if not g.temp else make_sampler(g.temp, g.top_p, g.min_p, top_k=g.top_k)
         eos = self.tokenizer.eos_token_ids if g.eos_token_ids is None else g.eos_token_ids
         (uid,) = gen.insert([rest], max_tokens=[g.max_tokens - generated], caches=[cache], all_tokens=[covered],
                             samplers=[sampler], logits_processors=[list(g.logits_processors or [])],
