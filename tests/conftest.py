@@ -32,6 +32,15 @@ def pytest_configure(config):
 
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    """A test that uses the real SmolLM2 target (fixtures `smollm2`, `smollm2_path`: the model loaded, or read, once
+    per worker, 10-30 s on 2 cores) is marked slow, wherever it is."""
+    for item in items:
+        if {"smollm2", "smollm2_path"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_kernel_check():
     """Every test starts without the Metal kernels' self-check results (they are kept per process)."""

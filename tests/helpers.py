@@ -13,6 +13,8 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -600,3 +602,59 @@ def user(text):
 
 
 GOOD = user("w1 w2")
+
+
+# -- processes that join a ring (MLX distributed, ring backend on 127.0.0.1) --------------------------------------
+
+# the ring backend's error where a rank's port is taken (EADDRINUSE): the launch is retried on other ports
+BIND_FAILED = "Couldn't bind socket (error: 98)"
+ATTEMPTS = 5  # launches on fresh ports before a test gives up on finding free ones
+
+
+def ring_ports(n: int) -> list[int]:
+    """n consecutive ports for a ring on 127.0.0.1 (mlx.launch's --starting-port numbers them so too), drawn at
+    random below Linux's ephemeral range (32768 on), where no outgoing connection takes one. Nothing reserves
+    them: a rank whose port another process holds fails to bind (BIND_FAILED), and `start_ring` starts the
+    ranks again on new ones."""
+    first = random.randrange(20000, 32000 - n)
+    return list(range(first, first + n))
+
+
+def start_ring(start, folder: Path, timeout: float, ready=None) -> list[subprocess.Popen]:
+    """Processes that join a ring on 127.0.0.1, started by `start(ports, folder)` (2 ports from `ring_ports`; each
+    process leads its own session and writes its output to files in `folder`, which holds nothing else of the
+    test's); started again on other ports while one of them fails to bind. Returns them once `ready(processes)`
+    holds, or without `ready` once all have ended; fails the test, with their output, after `timeout` seconds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for _ in range(ATTEMPTS):
+        procs, end = start(ring_ports(2), folder), time.monotonic() + timeout
+        while True:
+            ended = all(p.poll() is not None for p in procs)  # before the output is read: an ended one's is whole
+            output = {f.name: f.read_text(errors="replace") for f in sorted(folder.iterdir()) if f.is_file()}
+            if any(BIND_FAILED in text for text in output.values()):
+                stop(procs)
+                break
+            if ready(procs) if ready is not None else ended:
+                return procs
+            if time.monotonic() > end:
+                stop(procs)
+                pytest.fail(f"not done after {timeout} s (exit codes {[p.returncode for p in procs]}): {output}")
+            time.sleep(0.1)
+    pytest.fail(f"every one of {ATTEMPTS} launches found a port taken ({BIND_FAILED})")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill the processes and every process they started (each leads its own session)."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -- the fast subset ----------------------------------------------------------------------------------------------
+
+
+def slow_except(values, *fast) -> list:
+    """`values` for `pytest.mark.parametrize`, each marked slow but those in `fast`: the fast subset
+    (`pytest -m "not slow"`) keeps the cheap few of a long list, the full suite runs them all."""
+    return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]

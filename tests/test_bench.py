@@ -34,6 +34,7 @@ ROW_FIELDS = {
 }
 
 
+@pytest.mark.slow
 def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     target, drafter = tiny_pair
     code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--draft-model", str(tiny_dflash2),
@@ -143,6 +144,7 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
     assert "NO (mismatch)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypatch):
     """Each prompt's methods back to back, A B C, then C B A from one prompt and one trial to the next: a drift
     across a pair costs every method the same (ABBA)."""
@@ -461,6 +463,7 @@ def test_compare_importers(tmp_path):
         load_comparison(str(tmp_path / "bad.json"))
 
 
+@pytest.mark.slow
 def test_bench_shows_the_comparison(tiny_pair, tmp_path, capsys):
     target, drafter = tiny_pair
     assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
@@ -469,6 +472,7 @@ def test_bench_shows_the_comparison(tiny_pair, tmp_path, capsys):
     assert "compared with CUDA runs" in out and "DFlash (paper) (H200)" in (tmp_path / "b.md").read_text()
 
 
+@pytest.mark.slow
 def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
     """--engines with an interpreter that lacks the peers (a bare venv): the bench still runs ours, and each
     peer gets a row per block size naming what is missing and how to install it."""

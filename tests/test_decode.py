@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from helpers import ARCHS, make_drafter, make_oracle, make_target, prompts, run
+from helpers import ARCHS, make_drafter, make_oracle, make_target, prompts, run, slow_except
 
 from dflash2_mlx import generate, stream_cycles
 from dflash2_mlx.decode import plain_steps
@@ -25,7 +25,7 @@ def assert_cycles_just_cover(accepted: list[int], B: int, max_tokens: int) -> No
     assert committed[-1] >= max_tokens and (len(accepted) == 0 or committed[-2] < max_tokens), accepted
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", slow_except(ARCHS, "llama"))
 def test_greedy_identical_to_plain(arch, tokenizer):
     """Every block size 2..16, each on one of three prompts (of different lengths and max_tokens) in turn, a
     spoiled oracle (acceptance lengths from 0 to B-1) and, at a few of the sizes, a random drafter (almost
@@ -113,6 +113,7 @@ def test_max_tokens_exact_inside_a_block(max_tokens, tokenizer):
     assert records[-1].finish_reason == "length" and records[-1].generation_tokens == max_tokens
 
 
+@pytest.mark.slow
 def test_sliding_window_target_past_its_window(tokenizer):
     """A long run on a target whose sliding layers (window 8) use rotating caches: rollback must stay
     exact after the ring buffer has wrapped many times."""

@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter, synthetic_checkpoint,
+    DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter, slow_except,
+    synthetic_checkpoint,
 )
 from mlx.utils import tree_flatten
 
@@ -169,7 +170,7 @@ def test_viterbi_never_scores_below_greedy():
 # -- decoding with a DFlash 2 drafter --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama_swa"])
+@pytest.mark.parametrize("arch", slow_except(["qwen3", "llama_swa"], "qwen3"))
 @pytest.mark.parametrize("walk", ["greedy", "viterbi"])
 def test_greedy_lossless_with_both_walks(arch, walk, tokenizer):
     model = make_target(arch, seed=1)

@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,8 +23,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from helpers import make_dflash2_drafter, make_drafter, make_hybrid, make_target, save_drafter, save_target, \
-    save_tokenizer, target_config
+from helpers import (
+    make_dflash2_drafter, make_drafter, make_hybrid, make_target, ring_ports, save_drafter, save_target, save_tokenizer,
+    start_ring, target_config,
+)
 from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
 
@@ -60,52 +60,6 @@ EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefi
          dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
 
 
-# the ring backend's error where a rank's port is taken (EADDRINUSE): the launch is retried on other ports
-BIND_FAILED = "Couldn't bind socket (error: 98)"
-ATTEMPTS = 5  # launches on fresh ports before a test gives up on finding free ones
-
-
-def ring_ports(n: int) -> list[int]:
-    """n consecutive ports for a ring on 127.0.0.1 (mlx.launch's --starting-port numbers them so too), drawn at
-    random below Linux's ephemeral range (32768 on), where no outgoing connection takes one. Nothing reserves
-    them: a rank whose port another process holds fails to bind (BIND_FAILED), and `start_ring` starts the
-    ranks again on new ones."""
-    first = random.randrange(20000, 32000 - n)
-    return list(range(first, first + n))
-
-
-def start_ring(start, folder: Path, ready=None, timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.Popen]:
-    """Processes that join a ring on 127.0.0.1, started by `start(ports, folder)` (which writes each one's stderr
-    to folder/err*.txt); started again on other ports while one of them fails to bind. Returns them once `ready()`
-    holds, or without `ready` once all have ended; a process that ends before `ready()` holds, and the deadline
-    `timeout`, fail the test with their stderr."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for _ in range(ATTEMPTS):
-        procs, end = start(ring_ports(2), folder), time.monotonic() + timeout
-        while True:
-            ended = [p.poll() is not None for p in procs]  # before stderr is read: an ended rank's stderr is whole
-            errors = {err.name: err.read_text() for err in sorted(folder.glob("err*.txt"))}
-            if any(BIND_FAILED in text for text in errors.values()):
-                stop(procs)
-                break
-            if ready is None and all(ended) or ready is not None and ready():
-                return procs
-            if ready is not None and any(ended) or time.monotonic() > end:
-                stop(procs)
-                what = "a process ended" if any(ended) else f"still not ready after {timeout} s"
-                pytest.fail(f"{what} (exit codes {[p.returncode for p in procs]}): {errors}")
-            time.sleep(0.1)
-    pytest.fail(f"every one of {ATTEMPTS} launches found a port taken ({BIND_FAILED})")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """Kill the processes and every process they started (each leads its own session)."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def ring_env(folder: Path, ports: list[int], env: dict | None = None) -> dict:
     """The environment of a ring's processes: a hostfile of `ports` on 127.0.0.1 (in folder), this checkout on
     PYTHONPATH, and `env`."""
@@ -129,7 +83,7 @@ def start_ranks(commands: list[list[str]], folder: Path, ranks=None, env: dict |
                                                   stderr=err, cwd=ROOT, start_new_session=True))
         return procs
 
-    return start_ring(start, folder, ready, timeout)
+    return start_ring(start, folder, timeout, ready)
 
 
 def launch(commands: list[list[str]], folder: Path, timeout: float = LAUNCH_TIMEOUT, ranks=None) -> list[dict]:
@@ -278,6 +232,7 @@ def test_greedy_matches_one_process(sharded, case):
     assert greedy == references[case]["greedy"] == references[case]["mlx_lm"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_scripted_drafts_are_accepted_and_rolled_back(sharded, case):
     """Drafts right up to a random position: every acceptance length, each cycle's rejected rows rolled back
@@ -352,6 +307,8 @@ def test_a_taken_port_is_tried_again_on_others(tmp_path, monkeypatch):
     bind, and is started again on other ports, where the two ranks join."""
     import socket
 
+    import helpers
+
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
@@ -361,7 +318,7 @@ def test_a_taken_port_is_tried_again_on_others(tmp_path, monkeypatch):
         drawn.append([held.getsockname()[1], draw(1)[0]] if not drawn else draw(n))
         return drawn[-1]
 
-    monkeypatch.setitem(globals(), "ring_ports", ports)
+    monkeypatch.setattr(helpers, "ring_ports", ports)
     code = "from dflash2_mlx.distributed import init_group; print(init_group('ring', timeout=60).size())"
     try:
         results = launch([[sys.executable, "-c", code]] * 2, tmp_path, timeout=120)
@@ -410,8 +367,8 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     (tmp_path / "out").mkdir()
     folder, command = tmp_path / "launch", [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
     # ready once rank 0 has drafted a block: both ranks are inside the generation
-    procs = start_ranks([command, command], folder, ready=lambda: (tmp_path / "out" / "long-drafting").exists(),
-                        timeout=120)
+    procs = start_ranks([command, command], folder, timeout=120,
+                        ready=lambda procs: running(procs, folder) and (tmp_path / "out" / "long-drafting").exists())
     try:
         assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
         procs[1].kill()
@@ -480,7 +437,7 @@ def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
             return [subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)]
 
     folder = tmp_path / "launch"
-    [run] = start_ring(start, folder, timeout=120)
+    [run] = start_ring(start, folder, 120)
     assert run.returncode == 0, (folder / "err.txt").read_text()
     lines = (folder / "out.txt").read_text().splitlines()
     assert len(lines) == 1, lines  # rank 1 prints nothing
@@ -563,6 +520,14 @@ def test_a_patched_pipeline_runs_the_unpatched_layers(arch, monkeypatch):
 SERVE_TOKENS = 16
 
 
+def running(procs: list[subprocess.Popen], folder: Path) -> bool:
+    """True while every process runs; fails the test, with their stderr (folder/err*.txt), once one has ended."""
+    if all(p.poll() is None for p in procs):
+        return True
+    pytest.fail(f"a rank ended early (exit codes {[p.poll() for p in procs]}): "
+                f"{[(f.name, f.read_text()[-3000:]) for f in sorted(folder.glob('err*.txt'))]}")
+
+
 def serving_line(err: Path) -> str | None:
     """Rank 0's line that says where it serves (`[dflash2] serving ... on http://HOST:PORT`), once it has one."""
     lines = [line for line in err.read_text().splitlines() if line.startswith("[dflash2] serving ") and " on http://" in line]
@@ -597,7 +562,7 @@ def test_serve_under_two_processes_matches_one_process(tmp_path):
                "60"]
     folder = tmp_path / "launch"
     procs = start_ranks([command, command], folder, env={"DFLASH2_COSTS": str(tmp_path / "costs.json")},  # measured anew
-                        ready=lambda: serving_line(folder / "err0.txt") is not None)
+                        ready=lambda procs: running(procs, folder) and serving_line(folder / "err0.txt") is not None)
     try:
         port = int(serving_line(folder / "err0.txt").rsplit(":", 1)[1])  # --port 0: the port the OS gave it
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)

@@ -238,6 +238,7 @@ def test_dflash_on_smollm2_is_lossless(smollm2):
     assert spec.tokens == plain.tokens and spec.text == plain.text and spec.cycles > 0
 
 
+@pytest.mark.slow
 def test_gguf_converts_to_an_mlx_lm_folder(tmp_path, smollm2, smollm2_path):
     """Converted once, the target loads with plain mlx-lm: same logits, same tokenizer."""
     from mlx_lm import load as mlx_lm_load

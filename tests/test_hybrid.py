@@ -26,6 +26,7 @@ def prompts(n, seed):
     return [[rng.randrange(6, 250) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_identical_to_plain(arch, tokenizer):
     """Full rejection (random drafter), every partial acceptance (spoiled oracle) and full acceptance
@@ -84,6 +85,7 @@ def test_recording_is_one_verify_pass(tokenizer):
         tap.rollback(cache, verified, 3)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_follows_a_hybrid_target(tokenizer):
     model = make_hybrid("qwen3_5", vocab=V, seed=21)
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)

@@ -209,6 +209,7 @@ def test_info_self_check_names_the_failing_kernel(monkeypatch, capsys):
 # -- the real kernel bodies, run by the CPU emulator ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(compiler() is None, reason="no C++20 compiler (g++ or clang++) to emulate the Metal kernels; "
                     "apps/install.sh installs g++")
 def test_the_real_kernels_pass_and_a_broken_one_fails_in_the_emulator(monkeypatch):

@@ -181,6 +181,7 @@ BROKEN = {  # a kernel, a line of it, what replaces it, and a launch with the pu
 }
 
 
+@pytest.mark.slow
 @emulated
 @pytest.mark.parametrize("case", BROKEN)
 def test_broken_kernels_fail_in_the_emulator(case):
@@ -219,6 +220,7 @@ def test_kernels_setting():
     assert kernels.backend_name(frozenset()) == "pure-MLX"
 
 
+@pytest.mark.slow
 @emulated
 def test_a_drafters_kernels_setting_reaches_every_op_of_the_decode_loop(tokenizer, monkeypatch):
     """A drafter set to 'metal' launches the conv, selector and acceptance kernels from the decode loop (run

@@ -8,6 +8,7 @@ from this graph (third-party imports may stay lazy where they are heavy or optio
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
     return found
 
 
+@functools.cache  # parsed once per process: the rules below all read it (none changes it)
 def graph() -> dict[str, list[tuple[str, int, bool]]]:
     mods = modules()
     return {name: imports(name, path, set(mods)) for name, path in mods.items()}

@@ -8,6 +8,7 @@ import json
 import statistics
 
 import numpy as np
+import pytest
 
 from dflash2_apps import load
 
@@ -50,6 +51,7 @@ def test_ratios_and_agreement_pair_the_rounds():
     assert load.agreement(report) == {"same": 1, "compared": 2}
 
 
+@pytest.mark.slow
 def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2, tmp_path):
     out = tmp_path / "load-vs-mlx-lm"
     argv = ["--compare", "--model", str(tiny_pair[0]), "--draft-model", str(tiny_dflash2), "--levels", "1,2",

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from helpers import (
     COSTS, N, N_BROKEN, PROMPT, SiblingOracle, V, chi_square, drafter_config, first_tokens, make_drafter, make_hybrid,
-    make_oracle, make_target, mlx_lm_probabilities, prompts, request, running, user,
+    make_oracle, make_target, mlx_lm_probabilities, prompts, request, running, slow_except, user,
 )
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
@@ -88,7 +88,7 @@ TARGETS = {"qwen3": lambda: make_target("qwen3", seed=1), "llama": lambda: make_
            "qwen3_5": lambda: make_hybrid("qwen3_5", seed=3)}
 
 
-@pytest.mark.parametrize("arch", TARGETS)
+@pytest.mark.parametrize("arch", slow_except(TARGETS, "llama"))
 def test_greedy_output_is_mlx_lms_with_the_same_processors(arch, tokenizer, no_eos, measured):
     """off, dflash at block sizes 3 and 8 (an oracle of the processed target, full and spoiled, a random drafter),
     adaptive and, where the target allows, ddtree: all equal mlx-lm's generation with the processors."""
@@ -243,6 +243,7 @@ def small():
     return model, make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dflash", "adaptive", "ddtree"])
 def test_sampling_follows_mlx_lms_processed_distribution(mode, small):
     model, drafter = small
@@ -255,6 +256,7 @@ def test_sampling_follows_mlx_lms_processed_distribution(mode, small):
     assert stat > critical, f"the unprocessed law passed too (chi2 {stat:.1f} < {critical:.1f}): a weak test"
 
 
+@pytest.mark.slow
 def test_the_sampled_test_fails_when_the_rows_do_not_see_the_drafts_before_them(small, monkeypatch):
     model, drafter = small
     row = Processing.row

@@ -74,6 +74,7 @@ def test_reuse_equals_fresh(arch, version, tokenizer):
     check_sequence(model, tokenizer, drafter, trimmable=arch == "qwen3")
 
 
+@pytest.mark.slow
 def test_reuse_equals_fresh_when_sampling(tokenizer):
     """T > 0 with a seed: the same draws in the same order, so the same tokens as a fresh run."""
     model = make_target("qwen3", seed=4)

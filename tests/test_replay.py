@@ -72,6 +72,7 @@ class Logged(AdaptiveBlocks):
         super().observe_unverified(first, seconds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("logit_scale, wrong_every", [(30.0, None), (2.6, 3)])
 def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_scale, wrong_every):
     """A drafter right only inside a stretch, every cycle and plain step timed at exact costs: the real loop and

@@ -52,6 +52,7 @@ def pair():
     return model, drafter, bind_drafter(drafter, model)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_follows_mlx_lm(pair):
     """Through the loop: blocks of 3, rows past a rejection, the bonus after full acceptance. (The rule's law at
     every sampler setting: `test_acceptance_law_is_the_targets` below.)"""
@@ -60,6 +61,7 @@ def test_speculative_sampling_follows_mlx_lm(pair):
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=1), params)
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_follows_mlx_lm(pair):
     """Adaptive mode switches between plain steps and cycles mid-sequence, on what was accepted so far."""
     model, drafter, target = pair
@@ -67,6 +69,7 @@ def test_adaptive_sampling_follows_mlx_lm(pair):
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=5, blocks=adaptive_blocks), params)
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair):
     """Each cycle verifies as many drafts as their rows' confidences pay for (costs rising steeply with the
     block, so the choice varies from cycle to cycle): made on the rows' distributions, never on what was drawn
@@ -84,6 +87,7 @@ def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair)
     assert min(verified.count(2), verified.count(3)) > N // 10, Counter(verified)  # both, often
 
 
+@pytest.mark.slow
 def test_adaptive_sampling_follows_mlx_lm_where_drafts_go_unverified(pair):
     """A drafter of milder opinions (its rows' confidences near 0.6), a first draft that costs half a step to
     verify and a second that costs a tenth: cycles verify none of their drafts (a plain step after the drafter
@@ -105,6 +109,7 @@ def test_adaptive_sampling_follows_mlx_lm_where_drafts_go_unverified(pair):
     assert min(verified.count(1), len(verified) - verified.count(1)) > N // 10, Counter(verified)  # both, often
 
 
+@pytest.mark.slow
 def test_plain_sampling_follows_mlx_lm(pair):
     model, _, _ = pair
     params = SETTINGS["t0.7-topp0.9"]
@@ -138,6 +143,7 @@ def _resample_from_target(proposal, target_logits, params):
     return accepted, mx.random.categorical(mx.log(p))[accepted]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [_accept_always, _resample_from_target])
 def test_the_test_catches_a_broken_acceptance_rule(pair, broken, monkeypatch):
     model, drafter, target = pair
@@ -407,6 +413,7 @@ def pair2():
     return model, drafter, bind_drafter(drafter, model)
 
 
+@pytest.mark.slow
 def test_dflash2_sampling_follows_mlx_lm(pair2):
     """With top-p, q is zero on some of the selector's candidates too."""
     model, drafter, target = pair2
@@ -414,6 +421,7 @@ def test_dflash2_sampling_follows_mlx_lm(pair2):
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=3), params)
 
 
+@pytest.mark.slow
 def test_dflash2_adaptive_sampling_follows_mlx_lm(pair2):
     """Adaptive cycles verify the first drafts of a full block (4): a B = 3 cycle keeps two rows of the sampled
     path, the next one (B = 2 where one token is left) one."""
@@ -422,6 +430,7 @@ def test_dflash2_adaptive_sampling_follows_mlx_lm(pair2):
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=4, blocks=full_blocks), params)
 
 
+@pytest.mark.slow
 def test_dflash2_test_catches_a_wrong_q(pair2, monkeypatch):
     """Sampling along the selector's path but reporting a uniform q over its candidates breaks it."""
     import dflash2_mlx.drafter as drafter_module

@@ -292,6 +292,7 @@ def test_a_request_past_its_timeout_is_stopped(tiny_pair, tiny_dflash2, monkeypa
         assert counts == [2] and not captured(app)
 
 
+@pytest.mark.slow
 def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflash2, terminal_sigint):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path]), "PYTHONFAULTHANDLER": "1"}

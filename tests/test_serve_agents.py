@@ -65,6 +65,7 @@ def measured_in_requests(port: int, calls: list) -> int:
     return len(calls) - before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["adaptive", "ddtree"])
 def test_cycle_costs_are_measured_before_serving_never_in_a_request(tiny_pair, tiny_dflash2, measurements, mode,
                                                                      monkeypatch, caplog):
@@ -392,6 +393,7 @@ def interleaved(port: int, app) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_interleaved_conversations_each_reuse_their_own_prefix(tiny_pair, tiny_dflash2):
     """Three slots: every second turn takes its whole first turn (prompt and all but perhaps the reply's last
     token) from the cache, whatever ran in between, and answers as plain decoding from scratch does."""
@@ -414,6 +416,7 @@ def test_negative_control_one_slot_forgets_the_other_conversations(tiny_pair, ti
         assert request(port, "GET", "/health")[2]["prompt_cache"]["slots"] == 1
 
 
+@pytest.mark.slow
 def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
     with running(tiny_pair[0], tiny_dflash2, "--prompt-cache-bytes", "1") as (app, port):
         got = interleaved(port, app)
@@ -500,6 +503,7 @@ def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = No
     return results, wants, ids, request(port, "GET", "/health")[2]
 
 
+@pytest.mark.slow
 def test_eight_concurrent_clients_are_batched_and_answer_as_one_alone(tiny_pair, tiny_dflash2, monkeypatch):
     """Every reply equals the target's own greedy output of its prompt (the prompts' outputs all differ, so a
     reply given to the wrong client shows), none lost or repeated, and the server decoded them together: the
@@ -515,6 +519,7 @@ def test_eight_concurrent_clients_are_batched_and_answer_as_one_alone(tiny_pair,
     assert health["active"] == 0 and health["queued"] == 0
 
 
+@pytest.mark.slow
 def test_batched_requests_apply_their_logits_processors(tiny_pair, tiny_dflash2, monkeypatch):
     """A repetition penalty and a logit bias: applied in the batch as mlx-lm applies them alone (the prompt and
     the tokens generated so far as their context, speculative ones included)."""
@@ -527,6 +532,7 @@ def test_batched_requests_apply_their_logits_processors(tiny_pair, tiny_dflash2,
     assert sum(w.text != t for w, t in zip(wants, plain)) >= 6  # the processors changed the answers
 
 
+@pytest.mark.slow
 def test_negative_control_decode_concurrency_one_serves_one_at_a_time(tiny_pair, tiny_dflash2, monkeypatch):
     """--decode-concurrency 1: the same answers, one request at a time, each alone: the batching checks fail."""
     with running(tiny_pair[0], tiny_dflash2, "--decode-concurrency", 1) as (app, port):
@@ -609,6 +615,7 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
     assert len(modes) < 48 - 4  # far fewer records than tokens left: cycles, not the batch's steps
 
 
+@pytest.mark.slow
 def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
     """Two requests batched (the first moved in from the speculative path); the short one ends and, one batch step
     later (a client's next request, sent as its last answer ends), a third arrives: it joins the batch, the long

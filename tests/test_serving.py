@@ -168,6 +168,7 @@ def test_exported_weights_give_the_drafters_logits(exported, smollm2, kind):
         assert got.shape == want.shape and err < 1e-3
 
 
+@pytest.mark.slow
 def test_expanded_selector_tables_are_the_factorised_codes(exported, smollm2):
     """The exported tables hold embed(token) @ projection.T for every token, to bf16 rounding (relative 2^-8;
     NumPy, float64)."""
@@ -184,6 +185,7 @@ def test_expanded_selector_tables_are_the_factorised_codes(exported, smollm2):
         assert np.all(np.abs(table - exact) <= 2**-8 * np.abs(exact) + 1e-6)
 
 
+@pytest.mark.slow
 def test_reference_walk_over_the_export_drafts_what_the_drafter_drafts(exported, smollm2):
     """T = 0: the selector's reference walk over the exported tables (NumPy) picks our drafter's drafts
     (whole vocabulary), block after block."""

@@ -50,6 +50,7 @@ def tiny(tokenizer):
     return make_target("qwen3", seed=2), tokenizer
 
 
+@pytest.mark.slow
 def test_data_shards_and_boundaries(tmp_path, tiny):
     model, tokenizer = tiny
     build(tmp_path / "d", SETTINGS, model, tokenizer, progress=False)
@@ -82,6 +83,7 @@ def test_data_shards_and_boundaries(tmp_path, tiny):
     assert held and held.isdisjoint({s.id for s in read_shards(tmp_path / "d", heldout=False)})
 
 
+@pytest.mark.slow
 def test_data_resumes_after_interruption(tmp_path, tiny, monkeypatch):
     model, tokenizer = tiny
     build(tmp_path / "whole", SETTINGS, model, tokenizer, progress=False)
@@ -106,6 +108,7 @@ def test_data_resumes_after_interruption(tmp_path, tiny, monkeypatch):
         build(tmp_path / "cut", DataSettings(target="tiny", num_prompts=9), model, tokenizer, progress=False)
 
 
+@pytest.mark.slow
 def test_data_grows_with_more_prompts(tmp_path, tiny):
     """A finished folder grows when asked for more prompts (at another batch size): what it held stays as it
     was, the new prompts are the next ones of the source, and each run's throughput is recorded."""
@@ -152,6 +155,7 @@ def settings(folder, arch, steps, **kw):
     return TrainSettings(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["v1", "dflash2"])
 def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, arch, tokenizer):
     model, folder = train_data
@@ -320,6 +324,7 @@ def test_reduced_vocabulary_loss(train_data):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_path, train_data, tokenizer):
     """--draft-vocab N: the loss's softmax and the drafts over the N most frequent tokens of the training
     responses (ties: lower ids), which the exported drafter carries as its draft vocabulary."""
@@ -348,6 +353,7 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
                     eos_token_ids=[]).tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_init_from_a_drafter_folder(tmp_path, train_data):
     """Training can start from a drafter folder (fine-tuning a published drafter, or continuing a
     bundled one): its shape wins over the settings, and step 0 drafts exactly as it does."""
@@ -365,6 +371,7 @@ def test_init_from_a_drafter_folder(tmp_path, train_data):
         Trainer(model, tmp_path / "c", settings(folder, "v1", 3, init_from=str(exported)))
 
 
+@pytest.mark.slow
 def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     """DFlash 2's added modules start as identity (convolutions pass through, zero successor codes), so a
     DFlash 2 drafter warm-started from a v1 folder drafts exactly as the v1 drafter at step 0, then trains."""
@@ -420,6 +427,7 @@ def test_dflash2_starts_as_identity_convs(tmp_path, train_data):
     assert mx.all(trainer.drafter.candidate_selector.successor_projection.weight == 0).item()
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path, train_data):
     model, folder = train_data
     straight = Trainer(model, tmp_path / "straight", settings(folder, "dflash2", 8, checkpoint_every=4))
@@ -434,6 +442,7 @@ def test_resume_is_bit_identical(tmp_path, train_data):
     assert [e["loss"] for e in straight.log] == [e["loss"] for e in second.log]
 
 
+@pytest.mark.slow
 def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_path, train_data, monkeypatch):
     """--ema switched on in a resumed run: the average starts at that run's first weights, follows the formula
     (checked in NumPy against every step's raw weights), survives a checkpoint, and is what the run evaluates
@@ -479,6 +488,7 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
         Trainer(model, tmp_path / "u", settings(folder, "v1", 5, ema=1.0))
 
 
+@pytest.mark.slow
 def test_train_command(tmp_path, tiny_pair, capsys):
     from dflash2_apps.cli import main
 
@@ -583,6 +593,7 @@ def test_soft_targets_are_the_targets_top_k_next_tokens(tmp_path, train_data):
     assert (top[labels >= 0] == labels[labels >= 0]).mean() > 0.99
 
 
+@pytest.mark.slow
 def test_distillation_loss_is_the_formula(train_data, tmp_path):
     """(1 - w) * CE(hard label) + w * sum_k p_k * -log q(token_k), weighted per position, from NumPy."""
     from dflash2_mlx.train.loss import Soft, loss_fn
@@ -622,6 +633,7 @@ def test_time_budget_stops_with_a_checkpoint_and_the_rerun_continues(tmp_path, t
     assert result["resumed"] and result["step"] == 6
 
 
+@pytest.mark.slow
 def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tiny_pair):
     """apps/train_budget.sh (the one command for a GPU machine; here on the CPU) stops at its budget with a
     checkpoint, and `dflash2 train` with the same flags continues that checkpoint to the end."""

@@ -11,16 +11,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import make_target, save_target
+from helpers import make_target, save_target, start_ring, stop
 
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.loading import load_target
@@ -32,6 +31,7 @@ from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test here starts ranks, each one process loading MLX and a target
 RUN_TIMEOUT = 180  # seconds any one distributed run may take before the test fails
 TRAIN = ["--steps", "3", "--sequences-per-step", "4", "--anchors-per-sequence", "8", "--block-size", "4",
          "--eval-every", "100", "--checkpoint-every", "100", "--selector-rank", "16", "--lr", "3e-3"]
@@ -67,21 +67,6 @@ def _env(root: Path, **extra) -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "path"), str(REPO)]), **extra)
 
 
-def _free_ports(n: int) -> int:
-    """The first of n consecutive free TCP ports on 127.0.0.1."""
-    rng = np.random.default_rng()
-    for _ in range(200):
-        first = int(rng.integers(20000, 60000))
-        try:
-            for port in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
 def _driver(root: Path) -> Path:
     """`dflash2 train` as a rank runs it, where rank KILL_RANK sends itself KILL_SIGNAL before step KILL_AT + 1
     (SIGKILL: it dies; SIGSTOP: it hangs without closing its connections)."""
@@ -101,34 +86,28 @@ def _driver(root: Path) -> Path:
 
 
 def _ranks(root: Path, folder: Path, args_of, env: dict | None = None, wait_for: int | None = None):
-    """Two ranks started by hand (MLX_RANK and MLX_HOSTFILE, what `mlx.launch` sets): [(returncode, stderr,
-    seconds)] per rank. `args_of(rank)`: its command line after the python executable. `wait_for`: the rank
-    whose end ends the wait (the other, if still running then, is killed and reported as None). `root`: where
-    they run, `folder`: the module's fixture folder."""
-    first = _free_ports(2)
-    hostfile = root / f"hosts-{first}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
-    procs, tic = [], time.monotonic()
-    for rank in range(2):
-        procs.append(subprocess.Popen(
-            [sys.executable, *args_of(rank)], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=_env(folder, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), **(env or {}))))
-    results = [None, None]
-    try:
-        order = [wait_for, 1 - wait_for] if wait_for is not None else [0, 1]
-        for rank in order:
-            left = RUN_TIMEOUT - (time.monotonic() - tic)
-            if rank != order[0] and wait_for is not None and procs[rank].poll() is None:
-                procs[rank].kill()
-                results[rank] = (None, procs[rank].communicate()[0], time.monotonic() - tic)
-                continue
-            out = procs[rank].communicate(timeout=max(left, 1))[0]
-            results[rank] = (procs[rank].returncode, out, time.monotonic() - tic)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    """Two ranks started by hand (MLX_RANK and MLX_HOSTFILE, what `mlx.launch` sets): [(returncode, output)] per
+    rank. `args_of(rank)`: its command line after the python executable. `wait_for`: the rank whose end ends the
+    wait (the other, if still running then, is killed and reported with returncode None). `root`: where they run,
+    `folder`: the module's fixture folder."""
+    logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=root))  # the ranks' output, and nothing else
+
+    def start(ports, logs):
+        hostfile = root / f"hosts-{logs.name}.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+        procs = []
+        for rank in range(2):
+            with open(logs / f"rank{rank}.txt", "w") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, *args_of(rank)], cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=_env(folder, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), **(env or {}))))
+        return procs
+
+    ready = None if wait_for is None else lambda procs: procs[wait_for].poll() is not None
+    procs = start_ring(start, logs, RUN_TIMEOUT, ready)
+    results = [(proc.poll(), (logs / f"rank{rank}.txt").read_text()) for rank, proc in enumerate(procs)]
+    stop(procs)  # the one still running, where `wait_for` ended the wait
     return results
 
 
@@ -164,13 +143,17 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, folder):
     cache's shards between them, and rank 0 alone wrote the run."""
     data = tmp_path / "data"  # a copy without a feature cache
     shutil.copytree(folder / "data", data, ignore=shutil.ignore_patterns("features-*"))
-    first = _free_ports(2)
-    run = tmp_path / "two"
-    cmd = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
-           "-n", "2", "--starting-port", str(first),
-           sys.executable, *_cli(folder, run, data=data)]  # what `mlx.launch -n 2 python -m ...` runs
-    done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=_env(folder))
-    out = done.stdout + done.stderr
+    run, logs = tmp_path / "two", tmp_path / "launch"
+
+    def start(ports, logs):
+        cmd = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
+               "-n", "2", "--starting-port", str(ports[0]),
+               sys.executable, *_cli(folder, run, data=data)]  # what `mlx.launch -n 2 python -m ...` runs
+        with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:
+            return [subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=err, env=_env(folder), start_new_session=True)]
+
+    [done] = start_ring(start, logs, RUN_TIMEOUT)
+    out = (logs / "out.txt").read_text() + (logs / "err.txt").read_text()
     assert done.returncode == 0, out
     assert "rank 0 of 2" in out and "rank 1 of 2" in out, out  # a group of two, not two groups of one
     card = json.loads((run / "drafter" / "card.json").read_text())
@@ -215,14 +198,14 @@ def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_befo
     def args_of(rank):
         return [str(driver), *_cli(folder, run if rank == 0 else elsewhere, *extra)[2:]]
 
-    (rc0, out0, _), (rc1, out1, _) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGKILL"),
+    (rc0, out0), (rc1, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGKILL"),
                                              wait_for=0)
     assert "rank 0 of 2" in out0 and "rank 1 of 2" in out1
     assert rc1 in (-signal.SIGKILL, None), out1
     assert rc0 == 1, out0
     assert "PeerLost" in out0 and "step 4's gradient sum" in out0 and "(step 2)" in out0, out0
     assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 2
-    (rc0, out0, _), (rc1, out1, _) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="none", KILL_AT="0",
+    (rc0, out0), (rc1, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="none", KILL_AT="0",
                                                                      KILL_SIGNAL="SIGKILL"))
     assert (rc0, rc1) == (0, 0), out0 + out1
     assert "rank 1 of 2" in out1 and not elsewhere.exists()
@@ -251,11 +234,11 @@ def test_a_rank_that_stops_answering_ends_the_other_within_its_timeout(tmp_path,
     def args_of(rank):
         return [str(driver), *_cli(folder, tmp_path / f"run{rank}", *extra, data=own if rank else None)[2:]]
 
-    (rc0, out0, seconds), (_, out1, _) = _ranks(tmp_path, folder, args_of,
-                                                dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"), wait_for=0)
+    (rc0, out0), (_, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"),
+                                    wait_for=0)
     assert rc0 == WATCHDOG_EXIT, out0
     assert "no answer from the other ranks for 8 s during step 4's gradient sum" in out0, out0
-    assert "(step 2)" in out0 and seconds < RUN_TIMEOUT
+    assert "(step 2)" in out0
     assert "rank 1 of 2" in out1 and "rank 1: the features of 7 train samples (its shards: shard-00001)" in out1
     assert "rank 1: the features of 14 train samples (the other ranks' shards: shard-00000, shard-00002)" in out1
     marks = [json.loads(p.read_text()) for p in own.glob("features-*/shard-*.json")]
@@ -269,7 +252,7 @@ def test_a_world_size_that_does_not_split_the_batch_is_refused_before_any_work(t
     check_world_size(TrainSettings(data="d", sequences_per_step=6), 3)
     before = {p.name for p in (folder / "data").iterdir()}
     results = _ranks(tmp_path, folder, lambda rank: _cli(folder, tmp_path / "run", "--sequences-per-step", "3"))
-    for rc, out, _ in results:
+    for rc, out in results:
         assert rc == 2 and "--sequences-per-step 3 does not split over 2 ranks" in out, out
         assert "joining" not in out  # refused before the ranks even met
     assert not (tmp_path / "run").exists() and {p.name for p in (folder / "data").iterdir()} == before
@@ -278,15 +261,20 @@ def test_a_world_size_that_does_not_split_the_batch_is_refused_before_any_work(t
 
 def test_a_rank_whose_peers_never_answer_ends_after_its_timeout(tmp_path, folder):
     """Rank 0 started alone (its peer never joins): it ends after --peer-timeout seconds instead of waiting."""
-    hostfile = tmp_path / "hosts.json"
-    first = _free_ports(2)
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{first}"], [f"127.0.0.1:{first + 1}"]]))
-    done = subprocess.run([sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                          env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)))
-    assert done.returncode != 0, done.stderr
-    assert "if one does not answer within 3 s, this process ends" in done.stderr
-    assert "got no answer from the other processes within 3 s (hostfile: " in done.stderr, done.stderr
+    hostfile, logs = tmp_path / "hosts.json", tmp_path / "launch"
+
+    def start(ports, logs):  # rank 0 of two; rank 1 never starts
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+        with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:
+            return [subprocess.Popen([sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")],
+                                     cwd=tmp_path, stdout=out, stderr=err, start_new_session=True,
+                                     env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)))]
+
+    [done] = start_ring(start, logs, RUN_TIMEOUT)
+    stderr = (logs / "err.txt").read_text()
+    assert done.returncode != 0, stderr
+    assert "if one does not answer within 3 s, this process ends" in stderr
+    assert "got no answer from the other processes within 3 s (hostfile: " in stderr, stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -294,7 +282,7 @@ def test_ranks_given_different_settings_are_refused(tmp_path, folder):
     """Ranks whose gradients would not add up to one process's (here: another --seed on rank 1) all stop with
     one clear error before computing anything."""
     results = _ranks(tmp_path, folder, lambda rank: _cli(folder, tmp_path / "run", "--seed", str(rank)))
-    for rc, out, _ in results:
+    for rc, out in results:
         assert rc == 2 and "the ranks were given different settings, targets or data" in out, out
     assert "rank 1 of 2" in results[1][1] and "the features of" not in results[0][1] + results[1][1]
     assert not (tmp_path / "run").exists()

@@ -119,6 +119,7 @@ def sibling_oracle(model, prompt, block_size, seed, right_for=None):
     return oracle
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tree_identical_to_plain(arch, tokenizer):
     """Budgets 1, 4, 16, 32 and block sizes 2, 5, 8 (tree depth up to 7), with the sibling oracle (every
@@ -231,6 +232,7 @@ def sample_tree_sequences(target, drafter, params, seed, budget, n=N) -> tuple[C
     return counts, accepted
 
 
+@pytest.mark.slow
 def test_tree_sampling_follows_mlx_lm(pair):
     """One setting through the tree loop: the acceptance is `Tree.walk` of one `sample` per node, and `sample`
     is mlx-lm's sampler at every setting (test_sampling.py)."""
@@ -244,6 +246,7 @@ def test_tree_sampling_follows_mlx_lm(pair):
     assert 0 < np.mean(accepted) < 2  # drafts both kept and rejected
 
 
+@pytest.mark.slow
 def test_dflash2_tree_sampling_follows_mlx_lm():
     """Trees from the selector's lattice (top-3 of 4 tokens, pair scores shaping the branches)."""
     model = make_target("llama", vocab=V, seed=21)
@@ -271,6 +274,7 @@ def _siblings_without_residual(tree, target_logits, params):
         path.append(kept)
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_broken_sibling_rule(pair, monkeypatch):
     model, drafter, target = pair
     params = SETTINGS["t1"]
@@ -376,6 +380,7 @@ def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
     assert taus[0] < taus[1] < taus[2] and np.mean(sim["linear"]) + 1 < taus[2], taus
 
 
+@pytest.mark.slow
 def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
     from mlx_lm.utils import load_model
 

@@ -65,6 +65,7 @@ def test_greedy_identical_with_a_draft_vocabulary(make, tokenizer):
             assert spec.tokens == plain.tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [make_drafter, make_dflash2_drafter], ids=["v1", "dflash2-walk"])
 def test_sampling_with_a_draft_vocabulary_follows_mlx_lm(make):
     """q is zero outside the draft vocabulary (token 1 can never be drafted) and the acceptance test uses that
