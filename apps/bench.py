@@ -35,7 +35,8 @@ from dflash2_apps.common import add_bench_model_args, bench_prompts, command_lin
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
 from dflash2_mlx import stream_cycles
-from dflash2_mlx.adaptive import ShadowBlocks, load_or_measure_costs
+from dflash2_mlx.adaptive import AdaptiveConfig, ShadowBlocks
+from dflash2_mlx.costs import load_or_measure_costs
 from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
 from dflash2_mlx.kernels import use_metal
@@ -328,7 +329,7 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
         for seed, prompt in enumerate(prompts, 1):
             mx.random.seed(seed)
             steps = dflash_steps(target, drafter, mx.array(prompt, mx.uint32), SamplingParams(temperature=temp),
-                                 ShadowBlocks(costs, block_max), max_tokens)
+                                 ShadowBlocks(costs, AdaptiveConfig(block_max)), max_tokens)
             produced = 0
             for step in steps:
                 chains += [step.shadow] if step.shadow is not None else []

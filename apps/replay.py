@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash2_apps.bench_report import report_context
 from dflash2_apps.common import add_bench_model_args, bench_prompts, load_bench_models, write_markdown
-from dflash2_mlx.adaptive import CostModel, cost_key, load_or_measure_costs
+from dflash2_mlx.costs import CostModel, cost_key, load_or_measure_costs
 from dflash2_mlx.generate import block_policy, resolve_block_size
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter

@@ -21,7 +21,7 @@ from typing import Generator, Iterator, NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .adaptive import AdaptiveBlocks, FixedBlocks
+from .adaptive import AdaptiveBlocks, BlockPolicy, FixedBlocks
 from .drafter import DFlashDraftModel
 from .prompt_cache import PromptCache
 from .sampling import (LogitsProcessor, Processing, Sampler, SamplingParams, accept, draft_acceptance, log_softmax,
@@ -78,7 +78,7 @@ def dflash_steps(
     drafter: DFlashDraftModel,
     prompt: mx.array,
     params: SamplingParams,
-    blocks: FixedBlocks | AdaptiveBlocks,
+    blocks: BlockPolicy,
     max_tokens: int | None = None,
     prefill_step_size: int = 2048,
     walk: str = "greedy",

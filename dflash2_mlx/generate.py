@@ -18,7 +18,8 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks, forget_costs, load_or_measure_costs
+from .adaptive import AdaptiveBlocks, AdaptiveConfig, FixedBlocks
+from .costs import CostModel, forget_costs, load_or_measure_costs
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
@@ -147,7 +148,7 @@ def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, ver
         return FixedBlocks(block_size)
     if costs is None:
         costs = load_or_measure_costs(target, drafter, block_size)
-    return AdaptiveBlocks(costs, block_size, prior=drafter.acceptance_prior)
+    return AdaptiveBlocks(costs, AdaptiveConfig(block_size, prior=drafter.acceptance_prior))
 
 
 def check_generation_arguments(
@@ -273,7 +274,7 @@ def stream_cycles(
     whole prompt and the tokens generated before the row) to every row a token is chosen from, in every verify
     mode: inside a verify pass each row sees the drafts before it, so the output is still exactly what plain
     decoding with the same processors gives (`sampling.Processing`).
-    costs: adaptive mode's cost model (`adaptive.CostModel`, covering blocks up to the block size); None: this
+    costs: adaptive mode's cost model (`costs.CostModel`, covering blocks up to the block size); None: this
     machine's cached one, measured in this call when missing (a few dozen forwards before the first token).
     A server loads or measures it once at startup and passes it, so no request pays for it; a stale verdict
     (timings 2x off the curve) then drops only the cached copy, and the curve passed stays the caller's.

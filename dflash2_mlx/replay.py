@@ -17,7 +17,8 @@ from typing import Iterable
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from .adaptive import AdaptiveBlocks, BlockPolicy
+from .costs import CostModel
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams
 from .target import Target
@@ -98,7 +99,7 @@ class Replayed:
         return (self.tokens - 1) / self.seconds if self.seconds else 0.0
 
 
-def replay(trace: Trace, policy: AdaptiveBlocks | FixedBlocks, costs: CostModel,
+def replay(trace: Trace, policy: BlockPolicy, costs: CostModel,
            max_tokens: int | None = None) -> Replayed:
     """Run `policy` over `trace` as `decode.dflash_steps` would with `max_tokens` (default: the answer's length;
     the answer ends there or at EOS): the same calls, in the same order, with the same arguments, each cycle and

@@ -92,7 +92,7 @@ def process_tree_rows(tree: Tree, target_logits: mx.array, procs: Processing) ->
 
 
 def default_budget(costs, block_size: int) -> int:
-    """The default `--tree-budget` from this machine's measured costs (`adaptive.CostModel`, its verify curve
+    """The default `--tree-budget` from this machine's measured costs (`costs.CostModel`, its verify curve
     reaching TREE_BUDGET_MAX + 1 tokens): the most draft nodes n whose cycle, drafter pass + target pass over
     the anchor and n nodes, costs at most (1 + TREE_COST_SLACK) x the linear cycle at block_size, and never
     fewer than the linear cycle's block_size - 1 drafts."""

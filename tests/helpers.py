@@ -30,7 +30,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from dflash2_apps.cli import make_parser
 from dflash2_apps.serve import build_server
 from dflash2_mlx import generate
-from dflash2_mlx.adaptive import MEASURE_CONTEXT_TOKENS, AdaptiveBlocks, CostModel, FixedBlocks
+from dflash2_mlx.adaptive import AdaptiveBlocks, FixedBlocks
+from dflash2_mlx.costs import MEASURE_CONTEXT_TOKENS, CostModel
 from dflash2_mlx.decode import dflash_steps, plain_steps
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.formats.config import DraftConfig

@@ -17,8 +17,11 @@ from helpers import COSTS, decide_on, make_dflash2_drafter, make_drafter, make_o
     save_drafter
 
 import dflash2_mlx.adaptive as adaptive
+import dflash2_mlx.costs as costs_module
 from dflash2_mlx import decode, generate
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks, load_or_measure_costs
+from dflash2_mlx.adaptive import (AcceptanceEstimates, AdaptiveBlocks, AdaptiveConfig, ClockScales, FixedBlocks, Gains,
+                                  TurnDetector, expected_tokens)
+from dflash2_mlx.costs import CostModel, load_or_measure_costs
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, draft_acceptance
@@ -37,16 +40,16 @@ def brute_force_expected(acceptance: list[float], B: int) -> float:
 
 
 def test_expected_tokens_match_brute_force():
-    policy = AdaptiveBlocks(COSTS, 8)
-    policy.hits, policy.seen = [0.9, 1.2, 0.3, 2.0, 0.1, 0.5, 0.7], [1.0, 2.0, 0.6, 2.5, 1.0, 0.5, 1.4]
+    estimates = AcceptanceEstimates(7)
+    estimates.hits, estimates.seen = [0.9, 1.2, 0.3, 2.0, 0.1, 0.5, 0.7], [1.0, 2.0, 0.6, 2.5, 1.0, 0.5, 1.4]
     for B in range(1, 9):
-        assert policy.expected_tokens(B) == pytest.approx(brute_force_expected(policy.acceptance(), B))
+        assert expected_tokens(estimates.estimates(), B) == pytest.approx(brute_force_expected(estimates.estimates(), B))
 
 
 def test_each_cycle_verifies_the_drafts_its_confidences_pay_for_and_learns_how_far_to_trust_them():
     """The block a drafting cycle verifies, against a count by hand: for each n, the tokens n drafts accepted
     with their rows' confidences give (brute force), less what plain steps commit in the cycle's time."""
-    policy = AdaptiveBlocks(COSTS, 8)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     plain_rate = 1 / (COSTS.verify_s[0] + COSTS.draft_s[-1] / policy.run)  # a plain step and its share of a probe
 
     def by_hand(confidence, top=8):  # n = 0: no draft verified, the cycle a plain step after the drafter pass
@@ -75,31 +78,82 @@ def test_a_draft_left_unverified_is_scored_by_the_token_committed_and_counts_as_
     """By hand, from empty counts (no card): the first position's estimate and the confidences' calibration move
     as a verified first draft's would, accepted or not; later positions and the turn rule are not touched."""
     for first in (1.0, 0.0):
-        policy = AdaptiveBlocks(COSTS, 8)
+        policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
         assert policy.verified_block(8, mx.array([0.04] * 7), None) == 1
         policy.observe_unverified(first, 0.1)
-        assert policy.seen == [1.0] + [0.0] * 6 and policy.hits == [first] + [0.0] * 6  # no calibration measured yet
+        assert policy.estimates.seen == [1.0] + [0.0] * 6 and policy.estimates.hits == [first] + [0.0] * 6
         assert policy.acceptance()[0] == pytest.approx((first + 0.5) / 2)  # shrunk toward 1/2 by one observation
-        assert policy.recent_hits[0] == first and policy.recent_seen[0] == 1.0
-        assert policy.confident_hits[0] == pytest.approx(0.95 * 2 + first)
-        assert policy.confident_sum[0] == pytest.approx(0.95 * 2 + 0.04) and policy.calibrated_n[0] == 1.0
-        assert policy.confident_sum[1:] == [2.0] * 6 and policy.cycles == 1 and policy.shortfall == 1.0
+        assert policy.calibration.hits[0] == pytest.approx(0.95 * 2 + first)
+        assert policy.calibration.sums[0] == pytest.approx(0.95 * 2 + 0.04) and policy.calibration.measured[0] == 1.0
+        assert policy.calibration.sums[1:] == [2.0] * 6 and policy.confidence is None
 
 
 def test_estimates_start_from_the_card_or_neutral_and_shrink_toward_the_previous_position():
-    assert AdaptiveBlocks(COSTS, 4).acceptance() == [0.5, 0.5, 0.5]  # no card, no evidence
-    seeded = AdaptiveBlocks(COSTS, 4, prior=[0.8, 0.6], prior_weight=3)
+    assert AdaptiveBlocks(COSTS, AdaptiveConfig(4)).acceptance() == [0.5, 0.5, 0.5]  # no card, no evidence
+    seeded = AdaptiveBlocks(COSTS, AdaptiveConfig(4, prior=[0.8, 0.6], prior_weight=3))
     # by hand: (3 * 0.8 + 0.5) / 4, then (3 * 0.6 + 0.725) / 4, then no evidence: the previous one
     assert seeded.acceptance() == pytest.approx([0.725, 0.63125, 0.63125])
 
 
-def test_shadow_scores_count_in_full_up_to_the_rejection_and_lightly_past_it():
-    policy = AdaptiveBlocks(COSTS, 5, decay=0.5, past_rejection=0.25)
+def test_the_config_derives_the_plain_runs_and_names_a_bad_setting():
+    config = AdaptiveConfig(8)
+    assert (config.plain_run, config.plain_run_max) == (8, 24)
+    assert (AdaptiveConfig(4, plain_run=5).plain_run, AdaptiveConfig(4, plain_run=5).plain_run_max) == (5, 15)
+    with pytest.raises(ValueError, match="AdaptiveConfig.decay is a share in"):
+        AdaptiveConfig(8, decay=1.5)
+    with pytest.raises(ValueError, match="blocks of 2 or more"):
+        AdaptiveConfig(1)
+    with pytest.raises(ValueError, match="covers blocks up to 8, not 9"):
+        AdaptiveBlocks(COSTS, AdaptiveConfig(9))
+
+
+def test_gains_are_a_decayed_mean():
+    gains = Gains(decay=0.5)
+    assert gains.mean is None
+    for g in (2.0, -1.0, 4.0):
+        gains.add(g)
+    # by hand: sums 2, 0, 4 and counts 1, 1.5, 1.75
+    assert gains.mean == pytest.approx(4.0 / 1.75)
+
+
+@pytest.mark.parametrize("draft, plain, stale", [(None, None, False), (1.9, None, False), (2.1, None, True),
+                                                 (0.4, None, True), (3.0, 1.6, False), (1.0, 2.5, True),
+                                                 (5.0, 2.0, True), (None, 0.3, True)])
+def test_clock_scales_are_stale_past_twice_off(draft, plain, stale):
+    """Plain steps against their measured time, cycles against plain steps (against their own time where no plain
+    step was timed): any of them more than 2x off, either way."""
+    clock = ClockScales()
+    clock.draft, clock.plain = draft, plain
+    assert clock.stale() is stale
+
+
+def test_a_turn_needs_short_cycles_in_a_row_under_the_chance():
+    """By hand: estimates of 0.9 at every position; a cycle of 4 that accepts nothing had a 0.1 chance, two in a
+    row 0.01 < 0.03: a turn (one alone is not); a cycle reaching the median in between breaks the run."""
+    estimates = AcceptanceEstimates(3, prior=[0.9] * 3, prior_weight=100.0)
+    turns = TurnDetector(estimates, turn_p=0.03)
+    turns.observe_cycle(4, 0, [0.9] * 3, None)
+    assert turns.shortfall == pytest.approx(0.1) and not turns.turned
+    turns.observe_cycle(4, 3, [0.5] * 3, None)  # every draft accepted: the run is broken
+    assert turns.shortfall == 1.0 and turns.reference is None
+    turns.observe_cycle(4, 0, [0.9] * 3, None)
+    turns.observe_cycle(4, 0, [0.2] * 3, None)  # judged on the estimates before the run: 0.9
+    assert turns.shortfall == pytest.approx(0.01) and turns.turned
+    calm = TurnDetector(estimates, turn_p=0.03)
+    for _ in range(2):  # rows that expected the misses (calibrated 0.3): 0.7 each, no surprise
+        calm.observe_cycle(4, 0, [0.9] * 3, [0.3] * 3)
+    assert calm.shortfall == 1.0 and not calm.turned
+
+
+def test_shadow_scores_count_each_position_as_far_as_it_is_reached():
+    """By hand, decay 0.5: a position counts as reached with P(the drafts before it accepted), so past a
+    rejection it only decays (a cycle never sees past one); single acceptances do not count."""
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(5, decay=0.5))
     policy.observe_shadow([1, 1, 0, 0], [1, 1, 0, 1])  # T = 0: drafts 1-2 right, 3 wrong, 4 right on its own
-    assert policy.seen == [1, 1, 1, 0.25] and policy.hits == [1, 1, 0, 0.25]
+    assert policy.estimates.seen == [1, 1, 1, 0] and policy.estimates.hits == [1, 1, 0, 0]
     policy.observe_shadow([0.6, 0.3, 0.1, 0.05], [0.6, 0.5, 0.5, 0.5])  # T > 0: reached with P(chain before)
-    assert policy.seen == pytest.approx([0.5 + 1, 0.5 + 0.6 + 0.1, 0.5 + 0.3 + 0.175, 0.125 + 0.1 + 0.225])
-    assert policy.hits == pytest.approx([0.5 + 0.6, 0.5 + 0.3 + 0.05, 0.1 + 0.175 * 0.5, 0.125 + 0.05 + 0.1125])
+    assert policy.estimates.seen == pytest.approx([0.5 + 1, 0.5 + 0.6, 0.5 + 0.3, 0.0 + 0.1])
+    assert policy.estimates.hits == pytest.approx([0.5 + 0.6, 0.5 + 0.3, 0.0 + 0.1, 0.0 + 0.05])
 
 
 def test_draft_acceptance_at_t0_is_the_drafts_leading_and_single_matches():
@@ -149,22 +203,17 @@ def test_draft_acceptance_at_t_above_0_is_unbiased_for_the_chain_of_acceptances(
     assert true[0] > true[1] > true[2] > 0
 
 
-def test_a_generation_drafting_from_the_start_times_one_plain_run_after_sixteen_cycles():
-    """No plain step before the first choice (a short answer pays nothing for timing); a generation that has
-    drafted 2 x block_max cycles without timing a plain step takes one short timed run, and only one."""
-    policy = AdaptiveBlocks(COSTS, 8)
+def test_a_drafter_accepting_everything_never_runs_plain_steps():
+    """No plain step before the first choice, none after it: a drafter whose every draft is accepted drafts all
+    40 cycles, from the largest block on once the first cycle has shown it."""
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     blocks = []
     for _ in range(40):
         B = policy.next_block(None)
         blocks.append(B)
-        if B == 1:  # three steps: the first waits for the cycle before it, two are timed
-            assert policy.plain_run(None) == 3
-            policy.observe_shadow([1.0] * 2, [1.0] * 2)
-            policy.observe_plain(2, 2 * COSTS.verify_s[0], probes=1)
-        else:
-            policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
-    assert blocks[0] > 1 and blocks.index(1) == 16 and blocks.count(1) == 1
-    assert AdaptiveBlocks(COSTS, 8, timing_steps=3, timing_after=0).plain_run(left=2) == 2
+        policy.observe_cycle(B, B - 1, COSTS.passes_s(B))
+    assert min(blocks) > 1 and blocks[1:] == [8] * 39
+    assert policy.plain_run(left=2) == 2  # never past max_tokens
 
 
 def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
@@ -173,7 +222,7 @@ def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
     every time that misses two or three times in a row (under a 3% chance on its record) has turned, and the
     recent memory takes over: plain steps. (The script's outcomes fit the blocks chosen at undiscounted prices: at
     the entry discount its first cycle verifies 4, accepts all three, and the record that follows reads as a turn.)"""
-    half = AdaptiveBlocks(COSTS, 8, timing_steps=0, entry_discount=1.0)
+    half = AdaptiveBlocks(COSTS, AdaptiveConfig(8, entry_discount=1.0))
     for a in [4, 0, 5, 3, 0, 0, 6, 4, 0, 0, 5, 0, 0]:
         B = half.next_block(None)
         assert B > 1
@@ -188,7 +237,7 @@ def test_misses_as_usual_keep_drafting_and_a_turn_stops_it():
 def misses_after_a_perfect_record(missed_on: list[float] | None = None, **kw) -> int:
     """Cycles accepting nothing that a policy drafts, after six that accepted every draft, before plain steps.
     `missed_on`: the misses' row confidences (the record's: sure rows); None: cycles without confidences."""
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0, **kw)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8, **kw))
     for _ in range(6):
         B = policy.next_block(None)
         B = policy.verified_block(B, None if missed_on is None else mx.array([0.95] * 7), None)
@@ -204,22 +253,25 @@ def misses_after_a_perfect_record(missed_on: list[float] | None = None, **kw) ->
     return misses
 
 
-def test_a_verified_draft_counts_its_outcome_blended_with_its_calibrated_confidence():
-    """By hand, two cycles: the first counts outcomes alone (no calibration measured yet: only the prior's two
-    observations); the second blends each outcome with its row's confidence calibrated by the first cycle,
-    with a weight of 0.5 x 1 / (1 + 2) (one measured observation against the prior's two). The recent memory
-    counts the outcomes alone."""
-    policy = AdaptiveBlocks(COSTS, 5, decay=0.5, recent_decay=0.25, calibration_decay=0.9, confidence_weight=0.5)
+def test_a_verified_draft_counts_its_outcome_and_calibrates_its_rows_confidence():
+    """By hand, two cycles (decay 0.5, calibration decay 0.9, the calibration's prior two drafts at confidence 1):
+    each position reached counts its outcome, and its row's confidence and outcome go to the calibration; a
+    position not reached neither counts nor decays."""
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(5, decay=0.5, calibration_decay=0.9))
     policy.verified_block(5, mx.array([0.8, 0.6, 0.4, 0.2]), None)
     policy.observe_cycle(5, 1, 0.1)  # draft 1 accepted, draft 2 rejected
-    assert policy.hits == [1.0, 0.0, 0.0, 0.0] and policy.seen == [1.0, 1.0, 0.0, 0.0]
+    assert policy.estimates.hits == [1.0, 0.0, 0.0, 0.0] and policy.estimates.seen == [1.0, 1.0, 0.0, 0.0]
+    assert policy.calibration.hits == pytest.approx([2 * 0.9 + 1, 2 * 0.9, 2.0, 2.0])
+    assert policy.calibration.sums == pytest.approx([2 * 0.9 + 0.8, 2 * 0.9 + 0.6, 2.0, 2.0])
     policy.verified_block(5, mx.array([0.5, 0.5, 0.5, 0.5]), None)
     policy.observe_cycle(5, 0, 0.1)  # draft 1 rejected
-    calibrated = 0.5 * (2 * 0.9 + 1) / (2 * 0.9 + 0.8)  # its confidence x hits / confidence so far at position 1
-    weight = 0.5 * 1 / (1 + 2)
-    assert policy.hits == pytest.approx([0.5 * 1 + weight * calibrated, 0.0, 0.0, 0.0])
-    assert policy.recent_hits == pytest.approx([0.25 * 1 + 0.0, 0.0, 0.0, 0.0])
-    assert policy.seen == [1.5, 1.0, 0.0, 0.0]  # a position decays with its own observations only
+    assert policy.estimates.hits == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    assert policy.estimates.seen == [1.5, 1.0, 0.0, 0.0]
+    assert policy.calibration.measured == pytest.approx([1.9, 1.0, 0.0, 0.0])
+    # the next rows read through the calibration: confidence x accepted / confidence so far, at most 1
+    first = 0.5 * (0.9 * 2.8 + 0) / (0.9 * 2.6 + 0.5)
+    second = min(1.0, 0.5 * 1.8 / 2.4)
+    assert policy.calibration.calibrated([0.5, 0.5]) == pytest.approx([first, second])
 
 
 def test_misses_the_drafter_saw_coming_are_no_turn():
@@ -235,7 +287,7 @@ def test_misses_the_drafter_saw_coming_are_no_turn():
 
 
 def test_evidence_of_an_accepting_drafter_reaches_the_largest_block_within_three_cycles():
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     blocks = []
     for _ in range(3):
         B = policy.next_block(None)
@@ -258,7 +310,7 @@ def rarely_right_but_sure(policy: AdaptiveBlocks, seed: int, tokens: int = 600) 
     right = [rng.random() < 1 / 8 for _ in range(tokens + 64)]
     position, seconds, drafted_on = 0, 0.0, 0
     while position < tokens:
-        averaged = policy.drafting_vs_plain(policy.rates(8))
+        averaged = policy.drafting_vs_plain(policy.rates(8, entering=not policy.drafting))  # as `next_block` prices
         B = policy.next_block(None)
         drafted_on += B > 1 and averaged < 1
         r, rows = right[position], [0.95 if right[position] else 0.05] * 7
@@ -291,8 +343,8 @@ def test_while_drafting_the_cycles_expected_gains_keep_it_drafting_where_the_ave
         def _count_gain(self, gain):
             pass
 
-    runs = [rarely_right_but_sure(AdaptiveBlocks(COSTS, 8, timing_steps=0), seed) for seed in range(3)]
-    controls = [rarely_right_but_sure(Averaged(COSTS, 8, timing_steps=0), seed) for seed in range(3)]
+    runs = [rarely_right_but_sure(AdaptiveBlocks(COSTS, AdaptiveConfig(8)), seed) for seed in range(3)]
+    controls = [rarely_right_but_sure(Averaged(COSTS, AdaptiveConfig(8)), seed) for seed in range(3)]
     assert all(drafted_on >= 20 for _, drafted_on in runs) and all(d == 0 for _, d in controls)
     rates, control_rates = [r / plain_rate for r, _ in runs], [r / plain_rate for r, _ in controls]
     assert all(r > c for r, c in zip(rates, control_rates)), (rates, control_rates)
@@ -303,13 +355,13 @@ def test_a_cycles_gain_counts_once_the_calibration_is_measured():
     """The gains rest on calibrated confidences: the first cycle's (the calibration the prior alone) does not count,
     so a drafter sure of wrong drafts from the start stops after one cycle, as without the gains; the next cycle's
     counts the brute-force expected tokens of its best choice less what plain steps commit in its time."""
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     sure = [0.95] * 7
     B = policy.verified_block(policy.next_block(None), mx.array(sure), None)
     assert B == 8 and policy.gain is None
     policy.observe_cycle(B, 0, COSTS.passes_s(B, 8))
     assert policy.next_block(None) == 1
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     policy.verified_block(8, mx.array(sure), None)
     policy.observe_cycle(8, 7, COSTS.passes_s(8, 8))
     plain_rate = 1 / (COSTS.verify_s[0] + COSTS.draft_s[-1] / policy.run)
@@ -323,7 +375,7 @@ def test_running_plain_steps_a_cycle_is_priced_at_the_entry_discount_above_a_pla
     COSTS, but over it once a cycle's cost above a plain step counts at the entry discount: running plain steps,
     the policy drafts, at the block the discounted prices pick (and a probe with them ends its run); without the
     discount (1.0) it runs plain steps, and so it does at estimates under plain steps' rate even discounted."""
-    discount = adaptive.ENTRY_DISCOUNT
+    discount = AdaptiveConfig(8).entry_discount
     plain_s = COSTS.verify_s[0] + COSTS.draft_s[-1] / 8  # a plain step and its share of a probe (a run of 8)
 
     def by_hand(policy, discount):  # tokens per second over plain steps' at each block, from COSTS and the estimates
@@ -335,8 +387,8 @@ def test_running_plain_steps_a_cycle_is_priced_at_the_entry_discount_above_a_pla
         return rates
 
     def policy(acceptance, discount=discount):
-        return AdaptiveBlocks(COSTS, 8, prior=[acceptance] * 7, prior_weight=100.0, timing_steps=0,
-                              entry_discount=discount)
+        return AdaptiveBlocks(COSTS, AdaptiveConfig(8, prior=[acceptance] * 7, prior_weight=100.0,
+                                                    entry_discount=discount))
 
     near = policy(0.36)
     discounted, undiscounted = by_hand(near, discount), by_hand(near, 1.0)
@@ -350,7 +402,7 @@ def test_running_plain_steps_a_cycle_is_priced_at_the_entry_discount_above_a_pla
 
 
 def test_a_losing_drafter_gets_plain_runs_each_after_a_shadow_probe_and_comes_back_when_it_accepts():
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     B = policy.next_block(None)
     while B > 1:  # cycles that accept nothing, until plain steps win
         policy.observe_cycle(B, 0, COSTS.passes_s(B))
@@ -377,7 +429,7 @@ def test_a_losing_drafter_gets_plain_runs_each_after_a_shadow_probe_and_comes_ba
 def test_slow_cycles_observed_online_turn_drafting_off():
     """Measured costs say drafting pays; the cycles actually timed say it does not (a long context, a busy
     machine): the observed times win."""
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=0)
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
     for _ in range(4):
         B = policy.next_block(None)
         policy.observe_cycle(B, 2, COSTS.passes_s(B))
@@ -395,29 +447,29 @@ def test_a_cycles_one_off_costs_do_not_set_the_time_scale():
     """A cycle right after plain steps feeds the drafter their rows in bulk, and the first cycle at a block size
     traces it: both are slow once. Their acceptance counts; their time does not, or a first cycle 10x its steady
     cost would keep the drafter off. Later cycles at the same size set the scale."""
-    policy = AdaptiveBlocks(COSTS, 8, timing_steps=4, timing_after=0)
-    assert policy.next_block(None) == 1
-    policy.observe_plain(policy.plain_run(None), 4 * COSTS.verify_s[0])
+    policy = AdaptiveBlocks(COSTS, AdaptiveConfig(8))
+    policy.observe_plain(policy.plain_run(4), 4 * COSTS.verify_s[0])
+    policy.observe_shadow([1.0] * 3, [1.0] * 3)
     policy.observe_shadow([1.0] * 3, [1.0] * 3)
     assert policy.next_block(None) > 1
     policy.observe_cycle(5, 4, 10 * COSTS.passes_s(5))  # after plain steps
-    assert policy.scale_draft is None and policy.acceptance()[0] > 0.8
+    assert policy.clock.draft is None and policy.acceptance()[0] > 0.8
     B = policy.next_block(None)
     assert B == 8  # drafting still pays on the measured costs (scaled as plain steps are)
     policy.observe_cycle(B, B - 1, 3 * COSTS.passes_s(B))  # the first cycle at B
-    assert policy.scale_draft is None
+    assert policy.clock.draft is None
     policy.observe_cycle(B, B - 1, 2 * COSTS.passes_s(B))
     policy.observe_cycle(B, B - 1, 1 * COSTS.passes_s(B))
-    d = policy.decay
-    assert policy.scale_draft == pytest.approx(d * 2 + (1 - d) * 1)  # steady cycles, mixed with weight `decay`
+    d = policy.config.decay
+    assert policy.clock.draft == pytest.approx(d * 2 + (1 - d) * 1)  # steady cycles, mixed with weight `decay`
     policy.plain_run(None)  # plain steps again: the next cycle is one-off
     policy.observe_cycle(B, 4, 10 * COSTS.passes_s(B))
     policy.observe_cycle(5, 4, 10 * COSTS.passes_s(5))  # the first steady cycle at 5 after its traced one
     steady = d * (d * 2 + (1 - d) * 1) + (1 - d) * 10
-    assert policy.scale_draft == pytest.approx(steady)
+    assert policy.clock.draft == pytest.approx(steady)
     policy.plain_run(None)
     policy.observe_cycle(5, 4, 10 * COSTS.passes_s(5))
-    assert policy.scale_draft == pytest.approx(steady)
+    assert policy.clock.draft == pytest.approx(steady)
 
 
 def test_the_card_prior_seeds_the_policy(tmp_path, monkeypatch):
@@ -488,7 +540,7 @@ def test_an_unsure_drafter_that_is_always_right_goes_unverified_until_its_confid
             chosen.append(super().verified_block(B, confidence, left))
             return chosen[-1]
 
-    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: Recorded(COSTS, B))
+    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: Recorded(COSTS, AdaptiveConfig(B)))
     oracle = make_oracle(model, prompt, block_size=8, logit_scale=2.6)
     records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle, verify_mode="adaptive",
                                                    max_tokens=60, eos_token_ids=[]))
@@ -541,7 +593,7 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch, tokenizer):
     assert all(s > 0 for s in costs.verify_s + costs.draft_s)
     stored = json.loads((tmp_path / "costs.json").read_text())
     assert list(stored.values()) == [{"verify_s": costs.verify_s, "draft_s": costs.draft_s}]
-    monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(costs_module, "measure_costs", lambda *a, **k: pytest.fail("measured twice"))
     assert load_or_measure_costs(target, drafter, 4) == costs
     with pytest.raises(pytest.fail.Exception, match="measured twice"):
         load_or_measure_costs(target, drafter, 3)  # another block range is another measurement
@@ -558,12 +610,12 @@ def test_another_job_starting_during_the_measurement_keeps_the_curves_shape(monk
     def call(cost):
         clock[0] += cost * (1 if clock[0] < halfway else 2)
 
-    monkeypatch.setattr(adaptive.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock[0])
     calls = [partial(call, c) for c in true]
-    together = adaptive._best_seconds(calls, repeats=5)
+    together = costs_module._best_seconds(calls, repeats=5)
     assert np.allclose(np.divide(together, together[0]), true)
     clock[0] = 0.0
-    one_at_a_time = [adaptive._best_seconds([fn], repeats=5)[0] for fn in calls]  # the old order
+    one_at_a_time = [costs_module._best_seconds([fn], repeats=5)[0] for fn in calls]  # the old order
     assert np.allclose(np.divide(one_at_a_time, one_at_a_time[0])[5:], 2 * np.array(true[5:]))  # those after it
 
 
@@ -571,17 +623,17 @@ def test_a_tree_verify_curve_reaches_past_the_block(tmp_path, monkeypatch):
     """ddtree's costs: the drafter up to the block, the verify curve to 33 tokens (timed at 1..B, every fourth
     and the last, linear in between), cached apart from adaptive mode's."""
     monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
-    assert adaptive.verify_points(4, 33) == [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 33]
+    assert costs_module.verify_points(4, 33) == [1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 33]
     model = make_target("qwen3", seed=1)
     drafter = make_drafter(model, block_size=4)
     target = bind_drafter(drafter, model)
     timed = []
-    monkeypatch.setattr(adaptive, "_best_seconds",
+    monkeypatch.setattr(costs_module, "_best_seconds",
                         lambda fns, repeats: [fn() or timed.append(1) or 0.01 * len(timed) for fn in fns])
     costs = load_or_measure_costs(target, drafter, 4, 33)
     assert len(costs.verify_s) == 33 and len(costs.draft_s) == 3 and costs.block_max == 4
     # timed values 0.01 * k at the k-th point: check the interpolation against NumPy's
-    points = adaptive.verify_points(4, 33)
+    points = costs_module.verify_points(4, 33)
     expected = np.interp(np.arange(1, 34), points, [0.01 * (k + 1) for k in range(len(points))])
     assert np.allclose(costs.verify_s, expected)
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
@@ -601,7 +653,7 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     model = make_target("qwen3", seed=1)
     prompt = prompts(1, seed=2)[0]
     drafter = make_oracle(model, prompt, block_size=4)
-    key = adaptive.cost_key(bind_drafter(drafter, model), drafter, 4)
+    key = costs_module.cost_key(bind_drafter(drafter, model), drafter, 4)
     costs = CostModel(COSTS.verify_s[:4], COSTS.draft_s[:3])
     (tmp_path / "costs.json").write_text(json.dumps({key: {"verify_s": costs.verify_s, "draft_s": costs.draft_s},
                                                      "another machine": {"verify_s": [1.0], "draft_s": []}}))
@@ -613,7 +665,7 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert (key not in kept) == stale and "another machine" in kept
     if stale:
-        monkeypatch.setattr(adaptive, "measure_costs", lambda *a, **k: costs)
+        monkeypatch.setattr(costs_module, "measure_costs", lambda *a, **k: costs)
         load_or_measure_costs(bind_drafter(drafter, model), drafter, 4)
         assert key in json.loads((tmp_path / "costs.json").read_text())
 
@@ -626,8 +678,8 @@ def test_a_plain_run_ends_where_its_probe_says_drafting_pays(tokenizer, measured
     model = make_target("qwen3", seed=6)
     prompt = prompts(1, seed=3)[0]
     monkeypatch.setattr(generate_module, "block_policy",
-                        lambda target, drafter, B, mode, costs=None: AdaptiveBlocks(COSTS, B, timing_steps=16,
-                                                                                   timing_after=0))
+                        lambda target, drafter, B, mode, costs=None: AdaptiveBlocks(COSTS, AdaptiveConfig(
+                            B, prior=[0.0] * (B - 1), prior_weight=1.0, plain_run_max=16)))
     if not cut:
         monkeypatch.setattr(AdaptiveBlocks, "drafting_wins", lambda self, left: False)
     records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
@@ -648,7 +700,7 @@ def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(t
     model = make_target("qwen3", seed=6)
     prompt = prompts(1, seed=3)[0]
     drafter = make_oracle(model, prompt, 8)
-    policy = adaptive.ShadowBlocks(COSTS, 8, timing_steps=0)
+    policy = adaptive.ShadowBlocks(COSTS, AdaptiveConfig(8))
     steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
                                                  SamplingParams(), policy, 60), 41)
     probed = [i for i, step in enumerate(steps) if step.shadow is not None]
@@ -668,7 +720,7 @@ def test_a_probes_score_is_queued_before_the_next_plain_step(tokenizer, monkeypa
     step, score = decode._plain_step, decode.draft_acceptance
     monkeypatch.setattr(decode, "_plain_step", lambda *a: dispatched.append(1) or step(*a))
     monkeypatch.setattr(decode, "draft_acceptance", lambda *a: at_score.append(len(dispatched)) or score(*a))
-    policy = adaptive.ShadowBlocks(COSTS, 8, timing_steps=0)
+    policy = adaptive.ShadowBlocks(COSTS, AdaptiveConfig(8))
     steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
                                                  SamplingParams(), policy, 60), 41)
     assert [i for i, s in enumerate(steps) if s.shadow is not None] == [7, 15, 23, 31, 39]

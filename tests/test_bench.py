@@ -23,7 +23,8 @@ from dflash2_apps.bench import (Method, Run, accepted_per_cycle, add_cycle_parts
 from dflash2_apps.bench_report import (COLUMNS, adaptive_summary, render, render_per_prompt, repetition_share,
                                        source_commit)
 from dflash2_apps.cli import main
-from dflash2_mlx.adaptive import CostModel, FixedBlocks
+from dflash2_mlx.adaptive import FixedBlocks
+from dflash2_mlx.costs import CostModel
 from dflash2_mlx.prompts import load_suite
 from dflash2_mlx.replay import Trace, replay
 

@@ -180,7 +180,8 @@ def test_replay_and_tree_sim_flags_parse_under_both_spellings():
 def test_replay_runs_as_a_command_and_bench_replay_says_so(tiny_pair, tmp_path, capsys):
     """`dflash2 replay` writes the replay report; `bench --replay` (bench's flag names) says once on stderr that it
     is `dflash2 replay` now and writes the same report."""
-    from dflash2_mlx.adaptive import CostModel, FixedBlocks
+    from dflash2_mlx.adaptive import FixedBlocks
+    from dflash2_mlx.costs import CostModel
     from dflash2_mlx.replay import Trace, replay
 
     target, drafter = tiny_pair

@@ -25,7 +25,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from dflash2_apps.cli import main
 from dflash2_mlx import generate
 from dflash2_mlx.decode import dflash_steps, plain_steps, tree_steps
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from dflash2_mlx.adaptive import AdaptiveBlocks, AdaptiveConfig, FixedBlocks
+from dflash2_mlx.costs import CostModel
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Processing, SamplingParams
@@ -215,7 +216,7 @@ def exact_law(model, procs, params=PARAMS) -> dict[tuple, float]:
 
 def adaptive_blocks():
     """A plain step after a shadow probe, then cycles (drafting priced cheap): both paths inside 3 tokens."""
-    return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, timing_steps=1, timing_after=0)
+    return AdaptiveBlocks(CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1))
 
 
 def sampled(model, drafter, mode: str, seed: int, n: int) -> Counter:

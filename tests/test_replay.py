@@ -10,7 +10,8 @@ import pytest
 from helpers import COSTS, decide_on, make_oracle, make_target, prompts
 
 from dflash2_apps.replay import perturbed
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel, FixedBlocks
+from dflash2_mlx.adaptive import AdaptiveBlocks, AdaptiveConfig, FixedBlocks
+from dflash2_mlx.costs import CostModel
 from dflash2_mlx.generate import block_policy
 from dflash2_mlx.loading import bind_drafter, load
 from dflash2_mlx.replay import Trace, record, replay
@@ -83,7 +84,7 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_s
     decide_on(monkeypatch, COSTS)
     policies = []
     monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: policies.append(
-        Logged(COSTS, B)) or policies[-1])
+        Logged(COSTS, AdaptiveConfig(B))) or policies[-1])
     model = make_target("llama", seed=7)
     prompt = prompts(1, seed=6)[0]
     oracle = lambda: make_oracle(model, prompt, block_size=8, right_between=(40, 90),  # noqa: E731
@@ -93,7 +94,7 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_s
     drafter = oracle()
     trace = record(bind_drafter(drafter, model), drafter, prompt, 140, [8])
     assert trace.tokens == [t for r in records for t in r.tokens]
-    policy = Logged(COSTS, 8)
+    policy = Logged(COSTS, AdaptiveConfig(8))
     out = replay(trace, policy, COSTS, max_tokens=140)
     assert policy.log == policies[0].log
     cycles = [r for r in records if r.block_size is not None and r.block_size > 1]

@@ -18,7 +18,8 @@ from helpers import (
 from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.sampling as sampling
-from dflash2_mlx.adaptive import AdaptiveBlocks, CostModel
+from dflash2_mlx.adaptive import AdaptiveBlocks, AdaptiveConfig
+from dflash2_mlx.costs import CostModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
 from dflash2_mlx.target import Target
@@ -35,13 +36,13 @@ COSTS_STEEP = CostModel([1.0, 1.1, 1.6, 2.1], [0.1] * 3)
 def adaptive_blocks():
     """Adaptive mode that mixes both paths inside 3 tokens: a plain step after a shadow probe, then its own choice
     (costs that make drafting look cheap, so it keeps drafting while drafts are accepted)."""
-    return AdaptiveBlocks(CostModel([1.0, 1.0, 1.0], [0.1, 0.1]), 3, timing_steps=1, timing_after=0)
+    return AdaptiveBlocks(CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1))
 
 
 def full_blocks():
     """Adaptive mode drafting from the first token, with blocks of 4 (cheap drafting): a B = 3 cycle, then B = 2
     where one token is left, each verifying the first drafts of a block of 4."""
-    return AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), 4, timing_steps=0)
+    return AdaptiveBlocks(CostModel([1.0] * 4, [0.1] * 3), AdaptiveConfig(4))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair)
             verified.append(super().verified_block(B, confidence, left))
             return verified[-1]
 
-    blocks = lambda: Recorded(COSTS_STEEP, 4, timing_steps=0)  # noqa: E731
+    blocks = lambda: Recorded(COSTS_STEEP, AdaptiveConfig(4))  # noqa: E731
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=7, blocks=blocks), params)
     assert min(verified.count(2), verified.count(3)) > N // 10, Counter(verified)  # both, often
 
@@ -103,7 +104,7 @@ def test_adaptive_sampling_follows_mlx_lm_where_drafts_go_unverified(pair):
             return verified[-1]
 
     costs = CostModel([1.0, 1.5, 1.6, 2.1], [0.1] * 3)
-    blocks = lambda: Recorded(costs, 4, prior=[0.95] * 3, timing_steps=0)  # noqa: E731  (a card that says: draft)
+    blocks = lambda: Recorded(costs, AdaptiveConfig(4, prior=[0.95] * 3))  # noqa: E731  (a card that says: draft)
     counts = sample_sequences(bind_drafter(drafter, model), drafter, params, seed=9, blocks=blocks)
     assert_follows_mlx_lm(model, counts, params)
     assert min(verified.count(1), len(verified) - verified.count(1)) > N // 10, Counter(verified)  # both, often

@@ -25,7 +25,7 @@ from mlx_lm.tool_parsers import json_tools
 
 import dflash2_apps.serve as serve
 import dflash2_mlx.server.app as server_app
-from dflash2_mlx import adaptive, generate
+from dflash2_mlx import costs, generate
 from dflash2_mlx.server import responses, scheduler
 from dflash2_mlx.adaptive import AdaptiveBlocks
 from dflash2_mlx.generate import CycleResponse
@@ -42,13 +42,13 @@ def client(port: int) -> openai.OpenAI:
 def measurements(monkeypatch, tmp_path):
     """The name of the thread of every measurement of the cycle costs (costs cached in a file of this test's)."""
     monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
-    calls, real = [], adaptive.measure_costs
+    calls, real = [], costs.measure_costs
 
     def recorded(*args, **kwargs):
         calls.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(adaptive, "measure_costs", recorded)
+    monkeypatch.setattr(costs, "measure_costs", recorded)
     return calls
 
 

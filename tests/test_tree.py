@@ -18,7 +18,7 @@ from helpers import (
 
 import dflash2_mlx.decode as decode
 from dflash2_mlx import generate
-from dflash2_mlx.adaptive import CostModel
+from dflash2_mlx.costs import CostModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import probabilities
 from dflash2_mlx.target import Target
