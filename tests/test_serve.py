@@ -198,6 +198,7 @@ def captured(app) -> bool:
     return any("_dflash_tap" in layer.__dict__ for layer in Target(app.worker.model).layers)
 
 
+@pytest.mark.slow
 def test_client_disconnect_cancels_at_the_next_cycle(served, monkeypatch):
     app, port = served
     messages = user("w60 w61 w62")

@@ -131,7 +131,8 @@ def test_data_grows_with_more_prompts(tmp_path, tiny):
 
 @pytest.fixture(scope="module")
 def train_data(tmp_path_factory):
-    """Greedy continuations of a tiny target after random prompts (one in ten held out)."""
+    """Greedy continuations of a tiny target after random prompts (one in ten held out). Seconds to make: every
+    test that uses it is marked slow."""
     model = make_target("qwen3", seed=3)
     folder = tmp_path_factory.mktemp("train-data")
     rng = np.random.default_rng(0)
@@ -201,6 +202,7 @@ def _numpy_top_k(model, tokens: np.ndarray, k: int):
     return ids, np.take_along_axis(logp, ids, axis=-1)
 
 
+@pytest.mark.slow
 def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monkeypatch):
     model, folder = train_data
     samples = read_shards(folder, heldout=False)[:7]
@@ -244,6 +246,7 @@ def test_feature_cache_equals_the_target_and_resumes(tmp_path, train_data, monke
         assert np.array_equal(np.asarray(resumed.shards[shard].top_ids), np.asarray(files.top_ids))
 
 
+@pytest.mark.slow
 def test_feature_cache_fills_the_top_k_only_for_a_cache_that_asks_for_it(tmp_path, train_data, monkeypatch):
     """Features alone for a run without distillation (the target's top-k cost a third of the fill); a later
     distillation run computes the top-k of those samples, and a cache written before holds both."""
@@ -277,6 +280,7 @@ def test_feature_cache_fills_the_top_k_only_for_a_cache_that_asks_for_it(tmp_pat
     assert not asked
 
 
+@pytest.mark.slow
 def test_feature_cache_of_a_grown_data_folder_computes_only_the_new_shards(tmp_path, train_data, monkeypatch):
     """`dflash2 data` grows a folder by adding shards: the cache computes those and keeps the rest."""
     model, folder = train_data
@@ -304,6 +308,7 @@ def test_feature_cache_of_a_grown_data_folder_computes_only_the_new_shards(tmp_p
                                    rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.slow
 def test_reduced_vocabulary_loss(train_data):
     """The training vocabulary holds every token of the training samples; the LM-head rows it uses are
     the target's own (tied: embedding rows; untied and quantized heads too)."""
@@ -394,6 +399,7 @@ def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     assert mx.any(conv.kernel_projection.weight != 0).item()  # the DFlash 2 modules train from there
 
 
+@pytest.mark.slow
 def test_init_from_target_copies_its_last_layers(tmp_path, train_data):
     model, folder = train_data
     trainer = Trainer(model, tmp_path / "t", settings(folder, "dflash2", 1, layers=2, init_from_target=True))
@@ -417,6 +423,7 @@ def test_init_from_target_copies_its_last_layers(tmp_path, train_data):
         Trainer(quantized, tmp_path / "q", settings(folder, "dflash2", 1, init_from_target=True))
 
 
+@pytest.mark.slow
 def test_dflash2_starts_as_identity_convs(tmp_path, train_data):
     model, folder = train_data
     trainer = Trainer(model, tmp_path / "run", settings(folder, "dflash2", 1))
@@ -550,6 +557,7 @@ def test_sparkline_scales():
     assert sparkline([]) == ""
 
 
+@pytest.mark.slow
 def test_soft_targets_are_the_targets_top_k_next_tokens(tmp_path, train_data):
     """Distillation's targets at every draft row: the target's top-k next tokens (indices into the training
     vocabulary, -1 outside it) with their probabilities renormalized over the kept ones, from NumPy over the
@@ -623,6 +631,7 @@ def test_distillation_loss_is_the_formula(train_data, tmp_path):
     trainer.run(progress=False)  # and a distilled run trains
 
 
+@pytest.mark.slow
 def test_time_budget_stops_with_a_checkpoint_and_the_rerun_continues(tmp_path, train_data):
     model, folder = train_data
     stopped = Trainer(model, tmp_path / "t", settings(folder, "v1", 6, time_budget=1e-9, checkpoint_every=100))
@@ -659,6 +668,7 @@ def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tin
     assert usage.returncode == 2 and "usage: bash apps/train_budget.sh DATA OUT MINUTES" in usage.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path, train_data, monkeypatch,
                                                                      terminal_sigint):
     """SIGINT during step 3 of 6: the run ends after that step with its checkpoint instead of raising (and
