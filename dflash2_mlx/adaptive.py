@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from .costs import CostModel, forget_costs, load_or_measure_costs  # noqa: F401  (imported from here elsewhere)
+from .costs import CostModel, load_or_measure_costs  # noqa: F401  (the server imports load_or_measure_costs from here)
 
 # Timed plain steps (or cycles, relative to them) this many times off the measured costs mean the measurement no
 # longer describes the machine.
