@@ -123,7 +123,6 @@ def test_an_unexpected_error_names_its_type_and_causes(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_verbose_shows_the_traceback(capsys, monkeypatch):
     import dflash2_apps.info
 
@@ -142,7 +141,6 @@ def test_verbose_shows_the_traceback(capsys, monkeypatch):
         "a hub id (owner/name)"
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_only_the_running_commands_module_is_imported():
     """`dflash2 export ...` imports the export module, not the bench's or the server's (start-up time), and
@@ -229,7 +227,6 @@ def test_tree_sim_runs_as_a_command_and_bench_tree_sim_says_so(tiny_pair, tmp_pa
     assert alias_err.count(notice) == 1 and alias_out == out
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     """Build the wheel, install it into a fresh environment (dependencies from this one), and run the
