@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,8 +28,8 @@ from mlx_lm.sample_utils import make_sampler
 from rich.progress import Progress
 
 from dflash2_apps import replay, tree_sim
-from dflash2_apps.bench_report import (adaptive_summary, per_prompt_rows, render, report_console, report_context,
-                                       report_json)
+from dflash2_apps.bench_report import (Method, Run, adaptive_summary, per_prompt_rows, render, report_console,
+                                       report_context, report_json)
 from dflash2_apps.common import add_bench_model_args, bench_prompts, command_line, load_bench_models, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
@@ -45,35 +44,6 @@ from dflash2_mlx.prompts import prompts_sha256
 from dflash2_mlx.runtime import runtime_info
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
-
-
-@dataclass
-class Method:
-    name: str
-    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree" | "peer"
-    drafter: object = None
-    block_size: int | None = None
-    walk: str = "greedy"
-    drafter_label: str | None = None
-    tree_budget: int | None = None  # ddtree only
-    peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
-    note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
-    label: str | None = None  # what the report calls it: "DFlash 2 · adaptive", "v1 · B=8" (default: its name)
-
-    def __post_init__(self):
-        self.label = self.label or self.name
-
-
-@dataclass
-class Run:
-    tokens: list[int]
-    generation_tps: float
-    prompt_tps: float
-    ttft_s: float
-    peak_memory_gb: float
-    accepted: list[int] = field(default_factory=list)
-    plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
-    cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
 
 
 def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,

@@ -9,9 +9,9 @@ import os
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -20,8 +20,34 @@ from rich.text import Text
 from dflash2_mlx import __version__
 from dflash2_mlx.sparkline import sparkline
 
-if TYPE_CHECKING:
-    from dflash2_apps.bench import Method, Run
+@dataclass
+class Method:
+    name: str
+    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree" | "peer"
+    drafter: object = None
+    block_size: int | None = None
+    walk: str = "greedy"
+    drafter_label: str | None = None
+    tree_budget: int | None = None  # ddtree only
+    peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
+    note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
+    label: str | None = None  # what the report calls it: "DFlash 2 · adaptive", "v1 · B=8" (default: its name)
+
+    def __post_init__(self):
+        self.label = self.label or self.name
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    generation_tps: float
+    prompt_tps: float
+    ttft_s: float
+    peak_memory_gb: float
+    accepted: list[int] = field(default_factory=list)
+    plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
+    cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
+
 
 # An answer is "in a loop" when at least this share of its n-grams (`repetition_share`) occurred earlier in it:
 # drafting such an answer is easy, so its speedup says little about the prompts a user sends.

@@ -277,9 +277,10 @@ def test_conv_gradients_go_through_the_pure_op(monkeypatch):
         np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_bench_runs(capsys):
+def test_kernel_bench_runs(capsys, monkeypatch):
     from dflash2_apps.kernel_bench import main
 
+    monkeypatch.setenv("COLUMNS", "150")  # the table's width follows $COLUMNS, which a test runner may set narrow
     assert main(["--iterations", "1"]) == 0
     out = capsys.readouterr().out
     assert "D=5120 L=16" in out and "T=15 k=16 R=256" in out and "B=16 V=151936" in out

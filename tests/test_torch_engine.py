@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import make_target
 from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
 from dflash2_mlx.train.torch_engine import cpu_has_fast_bf16, generate_greedy, supported
+from helpers import make_target, slow_except
 
 torch = pytest.importorskip("torch")
 
@@ -33,7 +33,7 @@ def mlx_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", slow_except(["llama", "qwen2"], "llama"))
 def test_float32_responses_are_mlx_lms_greedy_ones(arch):
     """Continuous batching over fewer slots than prompts, prompts of different lengths: each response is mlx-lm's
     greedy continuation token for token (float32), so the cache, masks, positions and slot refills are right."""
@@ -47,6 +47,7 @@ def test_float32_responses_are_mlx_lms_greedy_ones(arch):
         assert got[i] == mlx_greedy(model, prompt, 24, eos), f"prompt {i}"
 
 
+@pytest.mark.slow
 def test_bfloat16_responses_mostly_follow_float32():
     """bfloat16 matmuls change near-ties only: the first tokens of most responses agree with float32's."""
     model = make_target("llama", seed=6)
