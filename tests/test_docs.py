@@ -2,6 +2,7 @@
 runs/README.md name exists, the README stays short and keeps its two commands at the top, and the results page
 stays one page. A finding names the page and the missing path."""
 
+import json
 import re
 from pathlib import Path
 
@@ -98,3 +99,17 @@ def test_readme_is_short_and_starts_with_its_two_commands():
 def test_results_page_is_one_page():
     lines = len((ROOT / "runs/README.md").read_text().splitlines())
     assert lines <= RESULTS_MAX_LINES, f"runs/README.md has {lines} lines; keep it to {RESULTS_MAX_LINES}"
+
+
+# Files under runs/ that are inputs (kept answers and drafts, cost curves, training data), not reports.
+INPUTS = ("traces.json", "/curves/", "/data")
+
+
+def test_every_report_records_its_commit():
+    reports = [p for p in sorted((ROOT / "runs").rglob("*.json"))
+               if not any(part in p.as_posix() for part in INPUTS)]
+    assert len(reports) >= 5, reports  # the runs folder was read
+    lacking = [str(p.relative_to(ROOT)) for p in reports
+               if not isinstance(json.loads(p.read_text()).get("context"), dict)
+               or not json.loads(p.read_text())["context"].get("commit")]
+    assert not lacking, f"reports without context.commit: {lacking}"
