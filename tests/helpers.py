@@ -565,16 +565,23 @@ def running(target_dir, drafter_dir, *flags):
                                      "--verify-mode", "dflash", "--block-size", "4", "--port", "0",
                                      "--context-length", str(CONTEXT), *map(str, flags)])
     app, server = build_server(args)
+    with serving_thread(app, server) as port:
+        yield app, port
+    assert app.worker.idle.is_set() and app.worker.running is None
+
+
+@contextmanager
+def serving_thread(app, server):
+    """`server` (built with `app`) serving in a thread; yields its port, then shuts both down."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield app, server.server_address[1]
+        yield server.server_address[1]
     finally:
         server.shutdown()
         app.close()
         server.server_close()
         thread.join(TIMEOUT)
-        assert app.worker.idle.is_set() and app.worker.running is None
 
 
 def request(port, method, path, body=None, raw: bytes | None = None):

@@ -6,7 +6,6 @@ mlx-lm's own generation with its own processors and sampler, never this server's
 from __future__ import annotations
 
 import re
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import mlx.core as mx
 import mlx_lm.server
 import pytest
 from helpers import (
-    CONTEXT, COSTS, GOOD, TIMEOUT, SiblingOracle, chat_ids, drafter_config, expected, make_oracle, make_target,
-    prompts, request, running, user,
+    CONTEXT, COSTS, GOOD, SiblingOracle, chat_ids, drafter_config, expected, make_oracle, make_target, prompts,
+    request, running, serving_thread, user,
 )
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
@@ -152,15 +151,8 @@ def serving(model, tokenizer, drafter, **defaults):
     app, server = build_server(model, tokenizer, drafter, model_id="tiny",
                                defaults=GenerationArguments(eos_token_ids=[], **defaults),
                                settings=ServeSettings(port=0, context_length=CONTEXT))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield app, server.server_address[1]
-    finally:
-        server.shutdown()
-        app.close()
-        server.server_close()
-        thread.join(TIMEOUT)
+    with serving_thread(app, server) as port:
+        yield app, port
 
 
 @pytest.fixture(scope="module")
