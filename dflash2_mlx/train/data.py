@@ -177,11 +177,12 @@ def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_inde
 def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
     """(index into `pending`, response ids), greedy, by `torch_engine.generate_greedy` in finishing order."""
     yield from torch_engine.generate_greedy(model, [ids for _, ids, _ in pending], settings.max_new_tokens,
-                               tokenizer.eos_token_ids, slots=settings.batch_size,
-                               max_prompt_tokens=settings.max_prompt_tokens)
+                                            tokenizer.eos_token_ids, slots=settings.batch_size,
+                                            max_prompt_tokens=settings.max_prompt_tokens)
 
 
 def _throughput(settings: DataSettings, prompts: int, tokens: int, seconds: float) -> dict:
     """One run's throughput so far (rewritten after every shard, so an interrupted run still counts)."""
     return {"engine": settings.engine, "batch_size": settings.batch_size, "prompts": prompts,
-            "response_tokens": tokens, "seconds": round(seconds, 1), "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}
+            "response_tokens": tokens, "seconds": round(seconds, 1),
+            "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}

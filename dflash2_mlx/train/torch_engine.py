@@ -101,13 +101,13 @@ class TorchTarget:
                     if p + "self_attn.q_proj.bias" in w else None)
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).to(bf)
             self.layers.append((w[p + "input_layernorm.weight"], qkv, bias, w[p + "self_attn.o_proj.weight"].to(bf),
-                                w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"].to(bf)))
+                                w[p + "post_attention_layernorm.weight"], gate_up,
+                                w[p + "mlp.down_proj.weight"].to(bf)))
         half = self.head_dim // 2
         self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
         shape = (len(self.layers), slots, self.kv_heads, max_len, self.head_dim)
         self.keys = torch.zeros(shape)
         self.values = torch.zeros(shape)
-        self.max_len = max_len
 
     def _rms(self, x, weight):
         return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -188,22 +188,19 @@ def generate_greedy(
     queue = iter(enumerate(prompts))
     owner = [None] * slots  # prompt index per slot
     response = [[] for _ in range(slots)]
-    position = torch.zeros(slots, dtype=torch.long)
-    last = torch.zeros(slots, dtype=torch.long)
+    position = torch.zeros(slots, dtype=torch.long)  # of each slot's last token
 
-    def fill(slot: int) -> bool:
+    def fill(slot: int) -> None:
         item = next(queue, None)
         if item is None:
             owner[slot] = None
-            return False
+            return
         index, ids = item
         if len(ids) > max_prompt_tokens:
             raise ValueError(f"prompt {index} has {len(ids)} tokens, over max_prompt_tokens={max_prompt_tokens}")
         tokens = torch.tensor([ids], dtype=torch.long)
         logits = target.forward(tokens, torch.arange(len(ids))[None], torch.tensor([slot]), len(ids))
-        owner[slot], response[slot] = index, [int(logits[0].argmax())]
-        position[slot], last[slot] = len(ids), response[slot][0]
-        return True
+        owner[slot], response[slot], position[slot] = index, [int(logits[0].argmax())], len(ids)
 
     def finished(slot: int) -> bool:
         r = response[slot]
@@ -221,10 +218,8 @@ def generate_greedy(
             return
         idx = torch.tensor(active)
         pos = position[idx]
-        logits = target.forward(last[idx][:, None], pos[:, None], idx, int(pos.max()) + 1)
-        nxt = logits.argmax(-1)
-        for j, slot in enumerate(active):
-            token = int(nxt[j])
+        last = torch.tensor([[response[slot][-1]] for slot in active])
+        logits = target.forward(last, pos[:, None], idx, int(pos.max()) + 1)
+        for slot, token in zip(active, logits.argmax(-1).tolist()):
             response[slot].append(token)
-            last[slot] = token
         position[idx] += 1
