@@ -2,7 +2,7 @@
 
 Methods: mlx-lm's own generation (the baseline users know), plain decoding through our loop, mlx-lm's
 classic speculative decoding (with --baseline-draft-model), each DFlash drafter at each block size
-(DFlash 2 with both walks), and peer engines with the same drafters (`peers.py`, each in its own process).
+(DFlash 2 with both walks), and peer engines with the same drafters (`peer_engines.py`, each in its own process).
 Each prompt runs every method back to back, in alternating order (A B C, then C B A from one prompt and one
 trial to the next: the ABBA design), so drift on a shared machine hits them alike: over a pair a linear drift
 adds the same to every method's time, and a prompt's methods are compared on runs seconds apart, not minutes.
@@ -32,7 +32,7 @@ from dflash2_apps.bench_report import (Method, Run, adaptive_summary, per_prompt
                                        report_context, report_json)
 from dflash2_apps.common import add_bench_model_args, bench_prompts, command_line, load_bench_models, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
-from dflash2_apps.peers import PeerError, Peers, check_python, parse_engines
+from dflash2_apps.peer_engines import PeerError, PeerEngines, check_python, parse_engines
 from dflash2_mlx import stream_cycles
 from dflash2_mlx.adaptive import AdaptiveConfig, ShadowBlocks
 from dflash2_mlx.costs import load_or_measure_costs
@@ -41,7 +41,7 @@ from dflash2_mlx.generate import resolve_block_size
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_target
 from dflash2_mlx.prompts import prompts_sha256
-from dflash2_mlx.runtime import runtime_info
+from dflash2_mlx.machine import runtime_info
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
@@ -108,7 +108,7 @@ def acceptance_by_position(accepted: list[int], block_size: int) -> list[float]:
     return [sum(a >= j for a in accepted) / len(accepted) for j in range(1, block_size)]
 
 
-def summarize(method: Method, trials: list[list[Run]], baseline_tps: float | None) -> dict:
+def method_row(method: Method, trials: list[list[Run]], baseline_tps: float | None) -> dict:
     """trials[t][p]: the run of prompt p in trial t."""
     per_trial_tps = []
     for runs in trials:
@@ -178,7 +178,7 @@ def cycle_parts(method: Method, model, prompt: list[int], repeats: int = 10) -> 
     """(drafter pass, target verify pass) of one steady-state cycle in seconds (medians), each timed alone
     outside the loop (the loop itself never waits between its two passes): the prompt is in both caches,
     and the drafter takes one new context row, as a cycle that accepted nothing does. The rest of a
-    cycle's time is the loop's own overhead. Peers time theirs the same way (`peer_worker.py`)."""
+    cycle's time is the loop's own overhead. PeerEngines time theirs the same way (`peer_worker.py`)."""
     if method.kind == "peer":
         t = method.peer.request(op="timings", prompt=prompt, block_size=method.block_size, repeats=repeats)
         return t["draft_s"], t["verify_s"]
@@ -251,7 +251,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 if temp == temps[0]:  # greedy timings of each method's passes, right after the trial's runs
                     for m in methods:
                         parts[m.name].append(attempt(m, cycle_parts, model, prompts[0]))
-            baseline = summarize(methods[0], runs[methods[0].name], None)
+            baseline = method_row(methods[0], runs[methods[0].name], None)
             if sample is None:  # every method agreeing proves nothing if the target itself babbles
                 sample = {"temperature": temp, "text": tokenizer.decode(runs[methods[0].name][0][0].tokens)}
             for m in methods:
@@ -260,7 +260,7 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                     row["temperature"] = temp
                     results.append(row)
                     continue
-                row = summarize(m, runs[m.name], baseline["generation_tps_median"])
+                row = method_row(m, runs[m.name], baseline["generation_tps_median"])
                 row["temperature"] = temp
                 add_cycle_parts(row, [p for p in parts[m.name] if p is not None])
                 if temp == 0:
@@ -454,7 +454,7 @@ def run(args) -> int:
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
-    peers = Peers()
+    peers = PeerEngines()
     try:
         if engines:
             started = peers.start(engines, peer_python, args.model, args.dtype, model,

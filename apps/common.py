@@ -10,13 +10,13 @@ from pathlib import Path
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from dflash2_mlx import distributed, load, peers
+from dflash2_mlx import distributed, load, process_group
 from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
 from dflash2_mlx.prompts import SUITES, load_suite
-from dflash2_mlx.settings import from_omlx
+from dflash2_mlx.omlx_settings import from_omlx
 
 KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal exists) or pure MLX; same results"
 
@@ -186,9 +186,9 @@ def add_sharding_args(p) -> None:
                      help="tensor parallel: each process holds a slice of every layer (mlx-lm's model.shard; "
                      "qwen3, qwen3_5, llama, qwen2, deepseek, gpt_oss, ...)")
     g.add_argument("--backend", default="any", help="MLX distributed backend: any (default), ring, jaccl, mpi")
-    g.add_argument("--peer-timeout", type=float, default=peers.DEFAULT_TIMEOUT, metavar="SECONDS",
+    g.add_argument("--peer-timeout", type=float, default=process_group.DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="rank 0 ends with an error when the others have not answered for this long while it "
-                   f"generates: one died or hangs (default {peers.DEFAULT_TIMEOUT:g})")
+                   f"generates: one died or hangs (default {process_group.DEFAULT_TIMEOUT:g})")
     g.add_argument("--connect-timeout", type=float, default=distributed.CONNECT_TIMEOUT, metavar="SECONDS",
                    help="how long a process waits for the others at the start before it gives up (default "
                    f"{distributed.CONNECT_TIMEOUT:g})")

@@ -6,7 +6,7 @@ import json
 import sys
 
 from dflash2_mlx import distributed, generate
-from dflash2_mlx.runtime import runtime_info
+from dflash2_mlx.machine import runtime_info
 from dflash2_mlx.target import Target
 
 from dflash2_apps import common

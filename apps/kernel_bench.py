@@ -17,7 +17,7 @@ import mlx.core as mx
 from rich.table import Table
 
 from dflash2_apps.bench_report import report_console
-from dflash2_mlx.runtime import runtime_info
+from dflash2_mlx.machine import runtime_info
 from dflash2_mlx.sampling import accept_greedy
 from dflash2_mlx.selector import LatticeInputs, scored_path
 from dflash2_mlx.short_conv import dynamic_conv

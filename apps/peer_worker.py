@@ -1,4 +1,4 @@
-"""One peer engine in its own process, for `dflash2 bench --engines` (see `peers.py`, which starts it).
+"""One peer engine in its own process, for `dflash2 bench --engines` (see `peer_engines.py`, which starts it).
 
 Runs in the peer's interpreter (`--peer-python`), so it imports nothing of this package: only the standard
 library, MLX, mlx-lm and the engine. Requests arrive on stdin and replies leave on the original stdout, one

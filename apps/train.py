@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 
 from dflash2_mlx.loading import load_target
-from dflash2_mlx import peers as ranks
+from dflash2_mlx import process_group as ranks
 from dflash2_mlx.train.export import write_card
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer

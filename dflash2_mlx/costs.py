@@ -19,7 +19,7 @@ import numpy as np
 
 from .assets import cache_dir
 from .kernels import backend_name
-from .runtime import blas
+from .machine import blas
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

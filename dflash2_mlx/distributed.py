@@ -45,7 +45,7 @@ from . import patches
 from .drafter import DFlashDraftModel
 from .formats.quantize import DraftQuant
 from .loading import DTYPES, bind_drafter, load_drafter, resolve_path
-from .peers import DEFAULT_TIMEOUT, connect, deadline, progress_watch
+from .process_group import DEFAULT_TIMEOUT, connect, deadline, progress_watch
 from .target import Capture, Target
 
 MODES = ("pipeline", "tensor")

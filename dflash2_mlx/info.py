@@ -16,7 +16,7 @@ from . import kernel_check
 from .formats.config import DraftConfig
 from .formats.weights import safetensors_files
 from .loading import resolve_path
-from .runtime import runtime_info
+from .machine import runtime_info
 
 COMPONENTS = ("attention", "mlp", "norms", "fc", "conv", "selector")
 

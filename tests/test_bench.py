@@ -19,7 +19,7 @@ from rich.console import Console
 
 import dflash2_mlx.sampling as sampling
 from dflash2_apps.bench import (Method, Run, accepted_per_cycle, add_cycle_parts, drafter_names, methods_for,
-                                per_prompt_rows, summarize)
+                                per_prompt_rows, method_row)
 from dflash2_apps.bench_report import (COLUMNS, adaptive_summary, render, render_per_prompt, repetition_share,
                                        source_commit)
 from dflash2_apps.cli import main
@@ -300,7 +300,7 @@ def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
                                  12 if m.kind == "adaptive" else 0, [0.25, 0.26] if drafts else [])
                              for p, a in enumerate(answers)]]
         for m in methods:
-            row = summarize(m, runs[m.name], 5.5)
+            row = method_row(m, runs[m.name], 5.5)
             row.update(temperature=temp, lossless=True if temp == 0 else None)
             add_cycle_parts(row, [(0.024, 0.24)] if m.kind == "dflash" else [])
             report["results"].append(row)
@@ -501,7 +501,7 @@ def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
 
 def test_a_peer_worker_that_dies_is_a_reason(tmp_path):
     """An interpreter that exits at once (here /bin/false): the request fails with what the worker said."""
-    from dflash2_apps.peers import PeerError, PeerWorker
+    from dflash2_apps.peer_engines import PeerError, PeerWorker
 
     worker = PeerWorker("dflash", "/bin/false", {}, tmp_path / "w.log")
     with pytest.raises(PeerError, match=r"^dflash worker \(/bin/false\) exited: no output$"):
@@ -528,7 +528,7 @@ def test_published_copy_for_the_peers(tiny_pair, tmp_path):
     from mlx_lm.utils import load_model
 
     from helpers import make_dflash2_drafter, save_drafter
-    from dflash2_apps.peers import hub_cache_entry, published_drafter
+    from dflash2_apps.peer_engines import hub_cache_entry, published_drafter
     from dflash2_mlx.loading import bind_drafter, load_drafter
     from dflash2_mlx.sampling import SamplingParams
 

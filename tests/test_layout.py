@@ -212,3 +212,13 @@ def test_a_test_module_importing_another_is_named(tmp_path, line):
     [found] = imports_of_test_modules(tmp_path)
     statement = line.splitlines()[-1].strip()
     assert found == f"test_a.py:{2 + len(line.splitlines())}: {statement}"
+
+
+def test_the_version_lives_in_one_place():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dflash2_mlx.__version__"}
+    assigned = [n for n in ast.parse((ROOT / "dflash2_mlx" / "__init__.py").read_text()).body
+                if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in n.targets)]
+    assert len(assigned) == 1 and isinstance(assigned[0].value, ast.Constant)

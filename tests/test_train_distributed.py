@@ -26,7 +26,7 @@ from dflash2_mlx.loading import load_target
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import Sample, read_shards, write_shard
-from dflash2_mlx.peers import WATCHDOG_EXIT
+from dflash2_mlx.process_group import WATCHDOG_EXIT
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
 

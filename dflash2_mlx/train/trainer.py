@@ -47,7 +47,7 @@ from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
 from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
-from ..peers import Peers
+from ..process_group import ProcessGroup
 from .settings import TrainSettings, check_world_size, settle
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _identity_selector(drafter: DFlashDraftModel) -> None:
 
 
 class Trainer:
-    def __init__(self, model, out: str | Path, settings: TrainSettings, peers: Peers | None = None):
+    def __init__(self, model, out: str | Path, settings: TrainSettings, peers: ProcessGroup | None = None):
         """`peers`: the ranks of a data-parallel run (`peers.join()` under `mlx.launch`), this process one of
         them; only rank 0 writes to `out`."""
         self.peers = peers if peers is not None and peers.size > 1 else None
@@ -475,7 +475,7 @@ class Trainer:
         return {"resumed": resumed, "step": self.step, "log": self.log}
 
     def _note_checkpoint(self, saved: bool) -> None:
-        """What a lost rank's error says about going on (`Peers.note`)."""
+        """What a lost rank's error says about going on (`ProcessGroup.note`)."""
         self.peers.note = (f"rerun the same command to continue from rank 0's {self.checkpoint} (step {self.step})"
                            if saved else "no checkpoint yet: rerunning the same command starts over")
 

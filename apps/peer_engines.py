@@ -168,7 +168,7 @@ class Peer:
     note: str  # what differs from our rows, or why it cannot run
 
 
-class Peers:
+class PeerEngines:
     """The peer workers of one bench: start them with `start`, close them (and the folder) with `close`."""
 
     def __init__(self):

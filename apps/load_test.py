@@ -1,8 +1,8 @@
 """Load a running `dflash2 serve` (or any OpenAI-compatible server): N clients, each sending M conversations of
 T turns, streaming, and print throughput and latency percentiles.
 
-    python -m dflash2_apps.load --url http://127.0.0.1:8080 --clients 4 --requests 3 --max-tokens 32
-    python -m dflash2_apps.load --clients 1 --requests 3 --turns 2     # TTFT of a chat's first and second turns
+    python -m dflash2_apps.load_test --url http://127.0.0.1:8080 --clients 4 --requests 3 --max-tokens 32
+    python -m dflash2_apps.load_test --clients 1 --requests 3 --turns 2     # TTFT of a chat's first and second turns
 
 A turn's latency is from sending the request to the last event; TTFT to the first chunk with text. Each later
 turn resends the conversation so far (its prompt, the server's reply, a new question), so a server that reuses
@@ -12,7 +12,7 @@ the shared prefix answers it faster; `cached` is the prompt tokens the server sa
 and run alternately at each of `--levels` concurrent clients (`--trials` rounds in ABBA order, so a drift in the
 machine's speed weighs on both alike), and writes a markdown and a JSON report (`--out`):
 
-    python -m dflash2_apps.load --compare --levels 1,2,4,8 --requests 2 --max-tokens 64 \
+    python -m dflash2_apps.load_test --compare --levels 1,2,4,8 --requests 2 --max-tokens 64 \
         --out runs/smollm2/load-vs-mlx-lm
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from dflash2_apps.openblas import openblas_library
-from dflash2_apps.peers import target_folder
+from dflash2_apps.peer_engines import target_folder
 from dflash2_mlx.assets import default_drafter, default_target
 from dflash2_mlx.prompts import load_suite
 
@@ -225,8 +225,8 @@ def compare(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"what": "dflash2 serve against mlx_lm.server: the same streaming chat clients, same target and prompts",
               "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
-              "command": " ".join(["python -m dflash2_apps.load", *sys.argv[1:]]) if args.argv is None
-              else " ".join(["python -m dflash2_apps.load", *args.argv]),
+              "command": " ".join(["python -m dflash2_apps.load_test", *sys.argv[1:]]) if args.argv is None
+              else " ".join(["python -m dflash2_apps.load_test", *args.argv]),
               "settings": {"levels": args.levels, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
                            "temperature": 0, "prompts": args.prompts, "verify_mode": args.verify_mode or "default",
                            "serve_args": args.serve_arg, "trials": args.trials, "order": "ABBA"},
@@ -366,7 +366,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash2_apps.load", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dflash2_apps.load_test", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (N)")
     p.add_argument("--requests", type=int, default=4, help="conversations per client (M)")

@@ -12,7 +12,7 @@ from helpers import make_dflash2_drafter, make_drafter, make_target, save_drafte
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.formats.quantize import DraftQuant, quantize_drafter
 from dflash2_mlx.loading import bind_drafter, drafter_dtype
-from dflash2_mlx.settings import from_omlx
+from dflash2_mlx.omlx_settings import from_omlx
 
 
 @pytest.mark.parametrize(

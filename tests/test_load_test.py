@@ -1,4 +1,4 @@
-"""`python -m dflash2_apps.load --compare`: both servers started on the tiny pair (real processes, real HTTP on
+"""`python -m dflash2_apps.load_test --compare`: both servers started on the tiny pair (real processes, real HTTP on
 127.0.0.1), the same streaming clients at two levels run alternately against each (ABBA rounds), and the
 report; the interleaving and the merging of rounds on their own."""
 
@@ -10,7 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
-from dflash2_apps import load
+from dflash2_apps import load_test as load
 
 
 def _result(tokens: int, latency: float, prompt: int, text: str) -> dict:

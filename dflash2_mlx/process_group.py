@@ -2,7 +2,7 @@
 from hanging the others. Used by data-parallel training (`train/`) and by a sharded target (`distributed.py`).
 
 A rank that dies ends the others with a clear error: on the ring backend its process's end closes its sockets,
-and the next collective raises "connection to a peer was lost", which `Peers` turns into `PeerLost`. A rank that
+and the next collective raises "connection to a peer was lost", which `ProcessGroup` turns into `PeerLost`. A rank that
 stops answering without closing them (a hung process, a machine gone, a cable pulled) would leave the others
 waiting forever; a watchdog thread ends this process when a collective has waited `timeout` seconds for the
 others. The collective's `mx.eval` lets that thread run; `mx.distributed.init` and a first exchange do not (they
@@ -113,9 +113,9 @@ def progress_watch(timeout: float, message: str):
         watchdog.close()
 
 
-def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> Peers:
+def join(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> ProcessGroup:
     """`connect`, and the collectives of a data-parallel run under the watchdog thread."""
-    return Peers(connect(timeout, backend, command), timeout)
+    return ProcessGroup(connect(timeout, backend, command), timeout)
 
 
 def connect(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str = "train") -> mx.distributed.Group:
@@ -142,7 +142,7 @@ def connect(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str
     return group
 
 
-class Peers:
+class ProcessGroup:
     """The ranks of one run: their collectives, each evaluated at once under the watchdog, and rank 0 (`main`),
     the one that writes. `note`: what the error of a lost rank adds (where the run can be continued from)."""
 
@@ -154,7 +154,7 @@ class Peers:
         self._watchdog = Watchdog(timeout, "dflash2-peer-watchdog", self._give_up)
 
     def __repr__(self) -> str:
-        return f"Peers(rank {self.rank} of {self.size})"
+        return f"ProcessGroup(rank {self.rank} of {self.size})"
 
     # -- the watchdog -----------------------------------------------------------------------------------------
     def _give_up(self, text: str) -> None:
