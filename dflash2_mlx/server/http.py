@@ -25,19 +25,28 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import mlx.core as mx
 
 from ..generate import CycleResponse
-from . import responses
+from . import messages_api, responses, responses_api
 from .protocol import ApiError, CompletionRequest
-from .responses import Logprobs, StopText
+from .responses import ChatReply, Logprobs, Outcome, Reply, StopText
 from .scheduler import Job
 
 log = logging.getLogger("dflash2.serve")
 
-CORS_HEADERS = "Authorization, Content-Type, X-API-Key"  # what a browser's request may send
+CORS_HEADERS = "Authorization, Content-Type, X-API-Key, Anthropic-Version"  # what a browser's request may send
 EXPOSED_HEADERS = "Retry-After, X-DFlash-Verify-Mode, X-DFlash-Tau, X-DFlash-Cycles"  # what its script may read
 GRACE_SECONDS = 30.0  # past a job's deadline, how long its client waits for the worker to notice
 POLL_SECONDS = 0.2  # how often a waiting client connection is checked
 SEND_TIMEOUT_SECONDS = 60  # a write to a client that reads nothing for this long fails (and cancels its job)
 LISTEN_BACKLOG = 128  # connections the kernel queues for accept
+
+# POST routes that generate: how a body becomes a request (with the app's `RequestParser`), and what answers it
+ENDPOINTS = {
+    "/v1/chat/completions": (lambda parser, body: parser.parse("chat", body), ChatReply),
+    "/v1/completions": (lambda parser, body: parser.parse("text", body), ChatReply),
+    "/v1/messages": (messages_api.parse, messages_api.MessagesReply),
+    "/v1/responses": (responses_api.parse, responses_api.ResponsesReply),
+}
+COUNT_TOKENS = "/v1/messages/count_tokens"  # Anthropic's: the prompt's length, nothing generated
 
 
 class ClientGone(Exception):
@@ -70,11 +79,13 @@ class DeadlineReader(io.RawIOBase):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """POST /v1/chat/completions and /v1/completions, GET /v1/models and /health, for the `app` that
-    `make_server` sets on its subclass (an `App`: its worker, parser, names and settings)."""
+    """POST /v1/chat/completions, /v1/completions, /v1/messages (and its count_tokens) and /v1/responses, GET
+    /v1/models, /health and /metrics, for the `app` that `make_server` sets on its subclass (an `App`: its worker,
+    parser, names and settings)."""
 
     server_version = "dflash2"
     app = None  # the App, set on the subclass `make_server` builds
+    reply_class = Reply  # the route's answer shape, whose errors it speaks (OpenAI's but on Anthropic's route)
 
     def setup(self):
         super().setup()
@@ -148,7 +159,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _send_error(self, e: ApiError) -> None:
-        self._send_json(e.status, e.body(), e.headers)
+        self._send_json(e.status, self.reply_class.error_body(e), e.headers)
 
     def _client_gone(self) -> bool:
         """The client closed its side (HTTP/1.0 clients send nothing more: readable means EOF or reset)."""
@@ -228,20 +239,24 @@ class Handler(BaseHTTPRequestHandler):
                        "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
 
     def do_POST(self):
-        kind = {"/v1/chat/completions": "chat", "/v1/completions": "text"}.get(self.path.rstrip("/"))
+        path = self.path.rstrip("/")
+        parse, self.reply_class = ENDPOINTS.get(path, (None, messages_api.MessagesReply if path == COUNT_TOKENS
+                                                       else Reply))
         job = None
         try:
             self._check_key()
-            if kind is None:
+            if path == COUNT_TOKENS:
+                return self._send_json(200, messages_api.count_tokens(self.app.parser, self._read_json()))
+            if parse is None:
                 raise ApiError(404, f"no route POST {self.path}", code="not_found")
-            request = self.app.parser.parse(kind, self._read_json())
+            request = parse(self.app.parser, self._read_json())
             job = Job(request.prompt, request.generation, time.monotonic() + self.app.request_timeout)
             if not self.app.worker.submit(job):
                 wait = self.app.worker.retry_after()
                 raise ApiError(503, f"the server is busy: its queue ({self.app.worker.jobs.maxsize} requests) is "
                                f"full; retry in {wait} s", kind="server_error", code="queue_full",
                                headers={"Retry-After": wait})
-            (self._stream if request.stream else self._complete)(request, job)
+            self._answer(self.reply_class(request, self.app.tokenizer), job)
         except ApiError as e:
             self._send_error(e)
         except ClientGone:
@@ -277,9 +292,9 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
     # -- answers -------------------------------------------------------------------------------------------
-    def _run(self, request: CompletionRequest, job: Job, on_text, logprobs: Logprobs | None = None):
-        """Relay the job's text to `on_text` (cut at stop strings), its tokens' logprobs to `logprobs`; returns
-        (finish reason, records, cached)."""
+    def _run(self, request: CompletionRequest, job: Job, on_text, logprobs: Logprobs | None = None) -> Outcome:
+        """Relay the job's text to `on_text` (cut at stop strings), its tokens' logprobs to `logprobs`; returns how
+        the generation ended."""
         stops, records, finish = StopText(request.stop), [], None
         for event in self._events(job):
             if event[0] == "error":
@@ -293,7 +308,8 @@ class Handler(BaseHTTPRequestHandler):
                                    kind="server_error", code="timeout")
                 if event[1] == "cancelled" and finish is None:  # neither a stop string nor this client: shutdown
                     raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
-                return finish, records, event[2]
+                usage, stats = self._usage_and_stats(records, event[2], job.batch_size)
+                return Outcome(finish, stops.matched, usage, stats)
             record: CycleResponse = event[1]
             if finish == "stop" and job.cancelled.is_set():
                 continue  # generated past a stop string before the worker saw the cancel: not part of the answer
@@ -315,74 +331,42 @@ class Handler(BaseHTTPRequestHandler):
         return responses.usage_and_stats(records, cached, self.app.worker.drafter, self.app.defaults.block_size,
                                          batch_size)
 
-    def _complete(self, request: CompletionRequest, job: Job) -> None:
-        parts, calls = [], []
-        tools = responses.tool_calls_of(request, self.app.tokenizer, False)
-        logprobs = responses.logprobs_of(request, self.app.tokenizer)
-
-        def on_text(text: str) -> None:
-            if tools is not None:
-                text, done = tools.feed(text)
-                calls.extend(done)
-            parts.append(text)
-
-        finish, records, cached = self._run(request, job, on_text, logprobs)
-        if tools is not None:
-            text, done = tools.finish()
-            parts.append(text)
-            calls.extend(done)
-        usage, stats = self._usage_and_stats(records, cached, job.batch_size)
-        choice = responses.choice(request, "".join(parts), responses.finish_reason(finish, tools), False,
-                                  calls=calls, logprobs=logprobs)
-        body = {**responses.base(request, responses.response_id(request), False),
-                "choices": [choice], "usage": usage, "dflash": stats}
-        self._send_json(200, body, responses.stats_headers(stats))
-
-    def _stream(self, request: CompletionRequest, job: Job) -> None:
-        rid = responses.response_id(request)
+    def _answer(self, reply: Reply, job: Job) -> None:
+        """Generate the job and answer with `reply`: one JSON body, or server-sent events as the text comes (the
+        stream's headers go with its first event: an error before it gets its own status)."""
         started = False
 
-        def send(body: dict) -> None:
+        def send(events: list) -> None:
             nonlocal started
             if not started:
+                events = reply.start() + events
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
                 started = True
-            self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+            for name, body in events:  # OpenAI's chunks are unnamed, Anthropic's and Responses' events named
+                head = f"event: {name}\n" if name else ""
+                self.wfile.write(f"{head}data: {json.dumps(body)}\n\n".encode())
             self.wfile.flush()
 
-        first = [True]
-        tools = responses.tool_calls_of(request, self.app.tokenizer, True)
-        logprobs = responses.logprobs_of(request, self.app.tokenizer)
-
         def on_text(text: str) -> None:
-            calls = []
-            if tools is not None:
-                text, calls = tools.feed(text)
-            if text or calls or first[0]:
-                send({**responses.base(request, rid, True),
-                      "choices": [responses.choice(request, text, None, True, first[0], calls, logprobs)]})
-                first[0] = False
+            events = reply.feed(text)
+            if events:
+                send(events)
 
         try:
-            finish, records, cached = self._run(request, job, on_text, logprobs)
+            outcome = self._run(reply.request, job, on_text, reply.logprobs)
         except ApiError as e:
             if not started:
                 raise
-            send(e.body())
-            self.wfile.write(b"data: [DONE]\n\n")
+            send(reply.stream_error(e))
+            self.wfile.write(reply.stream_end)
             return
-        usage, stats = self._usage_and_stats(records, cached, job.batch_size)
-        text, calls = tools.finish() if tools is not None else (None, [])
-        send({**responses.base(request, rid, True),
-              "choices": [responses.choice(request, text, responses.finish_reason(finish, tools), True, first[0],
-                                           calls, logprobs)],
-              "dflash": stats})
-        if request.include_usage:
-            send({**responses.base(request, rid, True), "choices": [], "usage": usage, "dflash": stats})
-        self.wfile.write(b"data: [DONE]\n\n")
+        if not reply.request.stream:
+            return self._send_json(200, reply.body(outcome), responses.stats_headers(outcome.stats))
+        send(reply.end(outcome))
+        self.wfile.write(reply.stream_end)
         self.wfile.flush()
 
 

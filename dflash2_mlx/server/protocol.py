@@ -10,7 +10,8 @@ naming the field and what it must be. Every field's fate:
   `logprobs`, `top_logprobs`, and mlx_lm.server's `repetition_penalty`, `repetition_context_size`,
   `presence_penalty`, `presence_context_size`, `frequency_penalty`, `frequency_context_size`, `logit_bias`
   (its logits processors), `xtc_probability`, `xtc_threshold` (its XTC sampler, run by plain decoding),
-  `chat_template_kwargs`; chat: `messages`, `tools`, `tool_choice`; text: `prompt`.
+  `chat_template_kwargs`; chat: `messages` (an assistant's `reasoning_content` goes to the template, which may
+  render it), `tools`, `tool_choice`, `reasoning_effort` (to the template); text: `prompt`.
 - read and refused unless they ask for what this server does: `draft_model` (its one drafter),
   `num_draft_tokens` (its draft length), `adapters` (none): `REFUSED_FIELDS` says why.
 - accepted and not acted on: `IGNORED_FIELDS`, each with why (logged at debug level when sent); mlx_lm.server
@@ -73,6 +74,14 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def renamed(self, names: Mapping[str, str]) -> ApiError:
+        """This error as another API names its fields (`names`: chat's field name -> that API's), in `param` and
+        in the message's quoted names."""
+        message = self.message
+        for old, new in names.items():
+            message = message.replace(f"'{old}'", f"'{new}'").replace(f" {old} (", f" {new} (")
+        return ApiError(self.status, message, names.get(self.param, self.param), self.code, self.kind, self.headers)
 
 
 @dataclass(frozen=True)
@@ -280,13 +289,19 @@ class RequestParser:
 
     def _template_kwargs(self, body: dict) -> dict:
         """The chat template's keyword arguments: --chat-template-args, updated by the request's
-        `chat_template_kwargs` (e.g. {"enable_thinking": false}), as mlx_lm.server merges them."""
+        `chat_template_kwargs` (e.g. {"enable_thinking": false}), as mlx_lm.server merges them. OpenAI's
+        `reasoning_effort` goes to the template as the variable of that name (templates that take one, such as
+        gpt-oss's, read it; others ignore it); "none" also turns thinking off (`enable_thinking` false, which
+        mlx-lm's wrapper renames for templates that call it otherwise). `chat_template_kwargs` has the last word."""
         asked = _field(body, "chat_template_kwargs", dict, {}, expect="an object of keyword arguments")
         own = sorted(set(asked) & set(TEMPLATE_OWN_KWARGS))
         if own:
             raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(own)}: the server passes "
                            f"{', '.join(TEMPLATE_OWN_KWARGS)} itself", param="chat_template_kwargs")
-        return {**self.chat_template_args, **asked}
+        effort = _field(body, "reasoning_effort", str, None, expect='a string ("none", "low", "medium", "high", ...)')
+        effort = {} if effort is None else {"reasoning_effort": effort, **({"enable_thinking": False}
+                                                                          if effort == "none" else {})}
+        return {**self.chat_template_args, **effort, **asked}
 
     def _prompt(self, kind: str, body: dict, tools: list | None = None) -> list[int]:
         if kind == "chat":
@@ -400,7 +415,8 @@ def _chat_message(i: int, message) -> dict:
         if not isinstance(calls, list):
             raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
         out["tool_calls"] = [_template_tool_call(i, call) for call in calls]
-    out.update({key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)})
+    out.update({key: message[key] for key in ("tool_call_id", "name", "reasoning_content")
+                if isinstance(message.get(key), str)})
     return out
 
 

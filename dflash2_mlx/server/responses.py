@@ -1,12 +1,14 @@
-"""What the server answers, in OpenAI's shapes: the generated text cut at stop strings (`StopText`), tool calls
-split off it (`ToolCalls`), per-token logprobs (`Logprobs`), and the bodies of completions and their streamed
-chunks, with `usage` and the `dflash` statistics of the generation that ran."""
+"""What the server answers: the generated text cut at stop strings (`StopText`), reasoning and tool calls split off
+it (`TextStates`) and grouped into blocks (`Blocks`), per-token logprobs (`Logprobs`), and `Reply`, the shape of
+one answer: OpenAI's completions and their streamed chunks here (`ChatReply`), with `usage` and the `dflash`
+statistics of the generation that ran; the Anthropic and Responses APIs' in `messages_api` and `responses_api`."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.server import ToolCallFormatter
@@ -24,14 +26,16 @@ class StopText:
 
     def __init__(self, stops: Sequence[str]):
         self.stops, self.held = [s for s in stops if s], ""
+        self.matched: str | None = None  # the stop string met (the earliest in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text that can be sent, whether a stop string was met)."""
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buf[: min(hits)], True
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:at], True
         keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
         self.held = buf[len(buf) - keep:]
         return buf[: len(buf) - keep], False
@@ -42,12 +46,102 @@ class StopText:
         return held
 
 
-class ToolCalls:
-    """Splits tool calls off the generated text the way mlx_lm.server does for the same tokenizer: text between
-    its wrapper's `tool_call_start` and `tool_call_end` markers (matched on text by mlx-lm's TextStateMachine) is
-    one call, parsed by the wrapper's `tool_parser` with the request's tools and formatted by mlx-lm's
-    ToolCallFormatter (id, type "function", function name and JSON arguments string; an index when streaming);
-    the rest is content. A call that does not parse (cut short by max_tokens) is dropped with mlx-lm's warning.
+def initial_state(tokenizer, prompt: Sequence[int]) -> str:
+    """The state a chat answer starts in, as mlx_lm.server picks it: "reasoning" when the prompt's last think-start
+    marker comes after its last think-end marker (a template that opens the thinking itself), else "normal"; the
+    tokenizer's response format may name another."""
+    state = "normal"
+    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+        state = "reasoning"
+    return getattr(tokenizer, "response_initial_state", None) or state
+
+
+class TextStates:
+    """Splits the generated text the way mlx_lm.server does for the same tokenizer: text between the think markers
+    mlx-lm found in the vocabulary (`think_start`, `think_end`) is reasoning; text between its `tool_call_start` and
+    `tool_call_end` markers is one tool call, parsed by the wrapper's `tool_parser` with the request's tools and
+    formatted by mlx-lm's ToolCallFormatter (id, type "function", function name and JSON arguments string; an index
+    when streaming); the rest is content. Markers are matched on text (mlx-lm's TextStateMachine), however the
+    text is cut. A call that does not parse (cut short by max_tokens) is dropped with mlx-lm's warning.
+
+    Args:
+        tokenizer: mlx-lm's `TokenizerWrapper`.
+        tools: the request's tools (None: tool-call markup stays content).
+        streaming: whether the calls go out in streamed chunks (each then has an index).
+        prompt: the prompt's token ids, which say whether the answer starts in its reasoning (`initial_state`).
+        thinking: whether reasoning is split off (chat answers; completions' text is left whole).
+    """
+
+    def __init__(self, tokenizer, tools: list | None, streaming: bool, prompt: Sequence[int] = (),
+                 thinking: bool = True):
+        transitions = {}
+        thinking = thinking and tokenizer.has_thinking
+        if thinking:  # as mlx-lm's make_text_state_machine
+            transitions = {"normal": [(tokenizer.think_start, "reasoning")],
+                           "reasoning": [(tokenizer.think_end, "normal")]}
+        if tools is not None:
+            start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+            transitions.setdefault("normal", []).append((start, "tool"))
+            if thinking:
+                transitions["reasoning"].append((start, "tool"))
+            transitions["tool"] = [(end, "normal")] if end else []
+        initial = initial_state(tokenizer, prompt) if thinking else "normal"
+        self.state = TextStateMachine(transitions or None).make_state(initial)
+        self.previous, self.tool_text, self.made = initial, "", False
+        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming) if tools is not None else None
+
+    def _take(self, parts) -> list[tuple[str, object]]:
+        out = []
+
+        def put(kind: str, value) -> None:
+            if kind != "call" and out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1] + value)
+            elif kind == "call" or value:
+                out.append((kind, value))
+
+        for state, text in parts:
+            if state == "tool":
+                self.tool_text += text
+            else:
+                if self.previous == "tool":  # a call's end marker was met
+                    self._call(put)
+                put("reasoning" if state == "reasoning" else "content", text)
+            self.previous = state
+        return out
+
+    def _call(self, put) -> None:
+        for call in self.format([self.tool_text]):
+            put("call", call)
+        self.tool_text, self.made = "", True
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        """The segments `text` completes, in order: ("reasoning", text), ("content", text), ("call", call)."""
+        self.state, parts = TextStateMachine.split(self.state, text)
+        return self._take(parts)
+
+    def finish(self) -> list[tuple[str, object]]:
+        """What the generation's end leaves: held-back text, and a call whose end marker never came."""
+        self.state, held, state = TextStateMachine.flush(self.state)
+        out = self._take([(state, held)])
+        if self.previous == "tool" and self.tool_text:
+            self._call(lambda kind, call: out.append((kind, call)))
+        return out
+
+
+def gathered(segments) -> tuple[str, str, list[dict]]:
+    """Segments as (reasoning, content, calls), each kind's in order."""
+    texts = {"reasoning": "", "content": ""}
+    calls = []
+    for kind, value in segments:
+        if kind == "call":
+            calls.append(value)
+        else:
+            texts[kind] += value
+    return texts["reasoning"], texts["content"], calls
+
+
+class ToolCalls(TextStates):
+    """`TextStates` without reasoning, whose `feed` and `finish` give (content, calls).
 
     Args:
         tokenizer: mlx-lm's `TokenizerWrapper` of a model with a tool-call format (`has_tool_calling`).
@@ -56,37 +150,13 @@ class ToolCalls:
     """
 
     def __init__(self, tokenizer, tools: list, streaming: bool):
-        start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        machine = TextStateMachine({"normal": [(start, "tool")], "tool": [(end, "normal")] if end else []})
-        self.state, self.previous, self.tool_text, self.made = machine.make_state("normal"), "normal", "", False
-        self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming)
-
-    def _take(self, segments) -> tuple[str, list[dict]]:
-        content, calls = "", []
-        for state, text in segments:
-            if state == "tool":
-                self.tool_text += text
-            else:
-                if self.previous == "tool":  # a call's end marker was met
-                    calls.append(self.tool_text)
-                    self.tool_text, self.made = "", True
-                content += text
-            self.previous = state
-        return content, self.format(calls)
+        super().__init__(tokenizer, tools, streaming, thinking=False)
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        """(content that can be sent, the calls completed by `text`)."""
-        self.state, segments = TextStateMachine.split(self.state, text)
-        return self._take(segments)
+        return gathered(super().feed(text))[1:]
 
     def finish(self) -> tuple[str, list[dict]]:
-        """What the generation's end leaves: held-back text, and a call whose end marker never came."""
-        self.state, held, state = TextStateMachine.flush(self.state)
-        content, calls = self._take([(state, held)])
-        if self.previous == "tool" and self.tool_text:
-            calls += self.format([self.tool_text])
-            self.tool_text, self.made = "", True
-        return content, calls
+        return gathered(super().finish())[1:]
 
 
 class Logprobs:
@@ -133,11 +203,6 @@ class Logprobs:
                 "text_offset": [offset for *_, offset in entries]}
 
 
-def tool_calls_of(request: CompletionRequest, tokenizer, streaming: bool) -> ToolCalls | None:
-    """The request's tool-call splitter; None when it has no tools."""
-    return ToolCalls(tokenizer, request.tools, streaming) if request.tools is not None else None
-
-
 def logprobs_of(request: CompletionRequest, tokenizer) -> Logprobs | None:
     """The request's logprobs, to be gathered; None when it asks for none."""
     return Logprobs(tokenizer, request.kind) if request.generation.logprobs is not None else None
@@ -155,13 +220,13 @@ def base(request: CompletionRequest, rid: str, chunk: bool) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": request.model}
 
 
-def finish_reason(finish: str | None, tools: ToolCalls | None) -> str | None:
+def finish_reason(finish: str | None, states: TextStates | None) -> str | None:
     """finish_reason "tool_calls" for a generation that stopped (EOS or a stop string) after a call."""
-    return "tool_calls" if finish == "stop" and tools is not None and tools.made else finish
+    return "tool_calls" if finish == "stop" and states is not None and states.made else finish
 
 
 def choice(request: CompletionRequest, text: str | None, finish: str | None, chunk: bool, first: bool = False,
-           calls: list | None = None, logprobs: Logprobs | None = None) -> dict:
+           calls: list | None = None, logprobs: Logprobs | None = None, reasoning: str = "") -> dict:
     """The answer's one choice, or a streamed chunk's (`chunk`: a delta; `first`: the chunk that carries the role).
 
     Args:
@@ -172,8 +237,12 @@ def choice(request: CompletionRequest, text: str | None, finish: str | None, chu
         first: whether it is the first chunk, which carries the assistant's role.
         calls: tool calls it carries (chat).
         logprobs: the request's logprobs: the tokens gathered since the last choice go with it.
+        reasoning: the reasoning it carries (chat, thinking models): `reasoning_content`, and `reasoning` as
+            mlx_lm.server names it, where there is any.
     """
     body = _choice_body(request, text, finish, chunk, first, calls)
+    if reasoning:
+        body["delta" if chunk else "message"].update(reasoning_content=reasoning, reasoning=reasoning)
     if logprobs is not None:
         body["logprobs"] = logprobs.take()
     return body
@@ -196,6 +265,144 @@ def _choice_body(request: CompletionRequest, text: str | None, finish: str | Non
         if calls:
             message["tool_calls"] = calls
     return {"index": 0, "message": message, "finish_reason": finish}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a generation ended, for its answer: its finish reason ("stop": EOS or a stop string; "length"), the stop
+    string met (None: none), OpenAI's `usage` and the `dflash` statistics."""
+
+    finish: str | None
+    stop: str | None
+    usage: dict
+    stats: dict
+
+
+class Reply:
+    """One answer in an API's shapes, built as the text comes: the handler feeds it the generated text (cut at
+    stop strings) and, streaming, sends the events it returns ((event name or None, JSON body) pairs), else the
+    body it makes at the end. Subclasses shape it; this class splits the text (`TextStates`).
+
+    Args:
+        request: the request answered.
+        tokenizer: the target's tokenizer.
+    """
+
+    stream_end = b""  # written after a stream's last event
+    logprobs: Logprobs | None = None  # the tokens' logprobs, gathered by the handler where asked for
+
+    def __init__(self, request: CompletionRequest, tokenizer):
+        self.request, self.tokenizer = request, tokenizer
+        self.states = TextStates(tokenizer, request.tools, request.stream, request.prompt,
+                                 thinking=request.kind == "chat")
+
+    def start(self) -> list:
+        """A stream's first events, sent before the first text's."""
+        return []
+
+    def feed(self, text: str) -> list:
+        """Take the next text; the events to send now (none unless streaming)."""
+        raise NotImplementedError
+
+    def end(self, outcome: Outcome) -> list:
+        """A stream's last events."""
+        raise NotImplementedError
+
+    def body(self, outcome: Outcome) -> dict:
+        """The answer's body, not streamed."""
+        raise NotImplementedError
+
+    @staticmethod
+    def error_body(e) -> dict:
+        """The body of an error (an `ApiError`) in the API's shape."""
+        return e.body()
+
+    def stream_error(self, e) -> list:
+        """The events that end a stream an error cut short."""
+        return [(None, self.error_body(e))]
+
+
+class ChatReply(Reply):
+    """An answer of /v1/chat/completions or /v1/completions: OpenAI's completion, or its chunks (server-sent
+    `data:` lines, then `[DONE]`), with the reasoning apart (`reasoning_content`) for thinking models."""
+
+    stream_end = b"data: [DONE]\n\n"
+
+    def __init__(self, request: CompletionRequest, tokenizer):
+        super().__init__(request, tokenizer)
+        self.logprobs = logprobs_of(request, tokenizer)
+        self.rid, self.first, self.parts = response_id(request), True, ([], [], [])
+
+    def _chunk(self, segments, finish: str | None = None, **extra) -> dict:
+        reasoning, text, calls = gathered(segments)
+        body = {**base(self.request, self.rid, True), "choices": [
+            choice(self.request, text, finish, True, self.first, calls, self.logprobs, reasoning)], **extra}
+        self.first = False
+        return body
+
+    def feed(self, text: str) -> list:
+        segments = self.states.feed(text)
+        if not self.request.stream:
+            for part, got in zip(self.parts, gathered(segments)):
+                part.extend([got] if isinstance(got, str) else got)
+            return []
+        return [(None, self._chunk(segments))] if segments or self.first else []
+
+    def end(self, outcome: Outcome) -> list:
+        finish = finish_reason(outcome.finish, self.states)
+        events = [(None, self._chunk(self.states.finish(), finish, dflash=outcome.stats))]
+        if self.request.include_usage:
+            events.append((None, {**base(self.request, self.rid, True), "choices": [], "usage": outcome.usage,
+                                  "dflash": outcome.stats}))
+        return events
+
+    def body(self, outcome: Outcome) -> dict:
+        for part, got in zip(self.parts, gathered(self.states.finish())):
+            part.extend([got] if isinstance(got, str) else got)
+        reasoning, text, calls = self.parts
+        body = choice(self.request, "".join(text), finish_reason(outcome.finish, self.states), False, calls=calls,
+                      logprobs=self.logprobs, reasoning="".join(reasoning))
+        return {**base(self.request, self.rid, False), "choices": [body], "usage": outcome.usage,
+                "dflash": outcome.stats}
+
+
+class Blocks:
+    """A reply's segments (`TextStates`) grouped into blocks, in the order they were generated: reasoning, text,
+    and one block per tool call; a kind's next segments extend its open block. What the Anthropic and Responses
+    APIs' answers are made of, streamed (the changes `add` returns) or whole (`blocks`)."""
+
+    def __init__(self):
+        self.blocks: list[dict] = []  # {"kind": "reasoning" | "content", "text": ...} or {"kind": "call", "call": ...}
+        self.open = False  # whether the last block may still grow
+
+    def add(self, segments) -> list[tuple[str, int, object]]:
+        """The changes `segments` make: ("start", index, block), ("delta", index, text), ("stop", index, block)."""
+        changes = []
+        for kind, value in segments:
+            last = self.blocks[-1] if self.open else None
+            if last is not None and last["kind"] == kind and kind != "call":
+                last["text"] += value
+                changes.append(("delta", len(self.blocks) - 1, value))
+                continue
+            changes += self.close()
+            block = {"kind": kind, "call": value} if kind == "call" else {"kind": kind, "text": ""}
+            self.blocks.append(block)
+            self.open = kind != "call"
+            i = len(self.blocks) - 1
+            changes.append(("start", i, block))
+            if kind == "call":
+                changes.append(("stop", i, block))
+            else:
+                block["text"] = value
+                changes.append(("delta", i, value))
+        return changes
+
+    def close(self) -> list[tuple[str, int, object]]:
+        """The open block's end (none: nothing)."""
+        if not self.open:
+            return []
+        self.open = False
+        return [("stop", len(self.blocks) - 1, self.blocks[-1])]
 
 
 def usage_and_stats(records: list[CycleResponse], cached: int, drafter, block_size: int | None,
