@@ -666,3 +666,86 @@ def slow_except(values, *fast) -> list:
     """`values` for `pytest.mark.parametrize`, each marked slow but those in `fast`: the fast subset
     (`pytest -m "not slow"`) keeps the cheap few of a long list, the full suite runs them all."""
     return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+# -- a thinking model's tokenizer, and generations of a fixed text ------------------------------------------------
+
+THINK_WORDS = ["<think>", "</think>"]
+CALL_WORDS = ["<tool_call>", "</tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}']
+CALL = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
+WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# Qwen 3's way of thinking and calling tools, on the word-level vocabulary (words it lacks become <unk>): the
+# generation prompt opens the thinking ("<think>"), or with enable_thinking false closes it at once; "<think>" in
+# the vocabulary makes mlx-lm's wrapper a thinking one, "<tool_call>" and "tool_call.name" pick its json_tools parser;
+# a reasoning_effort is rendered (as the word it is: <unk> unless one of the vocabulary's)
+THINK_TEMPLATE = (
+    "{%- if reasoning_effort is defined %}<|system|> {{ reasoning_effort }} {% endif %}"
+    "{%- if tools %}<|system|> {% for tool in tools %}{{ tool.function.name }} {% endfor %}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|assistant|> "
+    "{%- if m.reasoning_content %}<think> {{ m.reasoning_content }} </think> {% endif %}{{ m.content }} "
+    "{%- for tool_call in m.tool_calls or [] %}{%- set tool_call = tool_call.function %}"
+    '<tool_call> {"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}} </tool_call> '
+    "{%- endfor %}"
+    "{%- elif m.role == 'tool' %}<|user|> {{ m.content }} "
+    "{%- else %}<|{{ m.role }}|> {{ m.content }} {% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|> "
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think> </think> {% else %}<think> {% endif %}"
+    "{%- endif %}"
+)
+
+
+def save_thinking_target(folder: Path, target_dir: Path) -> Path:
+    """The target of `target_dir` (its config and weights) with conftest's word-level tokenizer (same ids for its
+    words) whose last slots hold the think markers and the words of a tool call, and whose template thinks
+    (`THINK_TEMPLATE`)."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(target_dir / name, folder / name)
+    tokens = SPECIALS + WORDS + THINK_WORDS + CALL_WORDS
+    tokens += [f"x{i}" for i in range(256 - len(tokens))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"])
+    fast.chat_template = THINK_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+@contextmanager
+def emitting(monkeypatch, tokenizer, text: str):
+    """The server's generations replaced by one that commits the tokens of `text`, then EOS, one token per
+    record, decoded by the tokenizer's own streaming detokenizer (a tiny random model emits no tool call nor
+    think marker on cue). Yields the prompts each generation got."""
+    from dflash2_mlx.generate import CycleResponse
+    from dflash2_mlx.server import scheduler
+
+    prompts = []
+
+    def generation(model, tok, prompt, drafter=None, prompt_cache=None, **kwargs):
+        prompts.append(list(prompt))
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        for n, t in enumerate(ids, 1):
+            last = n == len(ids)
+            if last:
+                detokenizer.finalize()
+            else:
+                detokenizer.add_token(t)
+            yield CycleResponse(text=detokenizer.last_segment, tokens=[t], accepted=None if n == 1 else 0,
+                                prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=n,
+                                generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
+                                verify_mode="dflash", block_size=None if n == 1 else 4)
+
+    monkeypatch.setattr(scheduler, "relayed_cycles", generation)
+    yield prompts

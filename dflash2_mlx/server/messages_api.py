@@ -168,8 +168,8 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(400, f"messages[{i}].content must be a string or a list of blocks", param="messages")
         out += _assistant(i, content, names) if role == "assistant" else _user(i, content, names)
     if messages[-1].get("role") == "assistant":
-        raise ApiError(400, "the last message is the assistant's: this server does not continue a prefilled "
-                       "answer; end with a user message", param="messages")
+        raise ApiError(400, "'messages' ends with the assistant's turn: this server does not continue a "
+                       "prefilled answer; end with a user message", param="messages")
     return out
 
 
