@@ -53,6 +53,10 @@ class BlockPolicy(Protocol):
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         """`steps` plain steps and `probes` shadow probes timed together at `seconds`."""
 
+    def lookup_drafts(self, acceptance: Sequence[float], available: int) -> int:
+        """How many of a lookup's `available` drafts (`lookup.py`), accepted as `acceptance` says by position, a
+        cycle verifies (0: none)."""
+
 
 class FixedBlocks:
     """`--verify-mode dflash`: every cycle at the runtime block size (smaller only where max_tokens ends).
@@ -94,6 +98,10 @@ class FixedBlocks:
 
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         pass
+
+    def lookup_drafts(self, acceptance: Sequence[float], available: int) -> int:
+        """Every one: a fixed block verifies whatever the lookup found."""
+        return available
 
 
 @dataclass
@@ -519,6 +527,27 @@ class AdaptiveBlocks:
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
         expected = steps * self.costs.passes_s(1) + probes * self.probe_s
         self.clock.observe_plain(seconds / expected)
+
+    def lookup_drafts(self, acceptance: Sequence[float], available: int) -> int:
+        """The lookup drafts whose cycle commits the most tokens per second, if more than plain steps do (0: none):
+        a lookup costs no drafter pass, only the target's pass over the anchor and the drafts (the verify curve,
+        extended along its last slope past its end).
+
+        Args:
+            acceptance: P(lookup draft i accepted | the drafts before it accepted), by position (`lookup.CopySpec`).
+            available: the drafts the lookup found.
+        """
+        verify = self.costs.verify_s
+        slope = (verify[-1] - verify[0]) / max(len(verify) - 1, 1)
+        best, best_rate = 0, 1.0 / (verify[0] * self.clock.plain_scale)
+        total, reach = 1.0, 1.0
+        for n, a in enumerate(acceptance[:available], start=1):
+            reach *= a
+            total += reach
+            seconds = verify[n] if n < len(verify) else verify[-1] + slope * (n + 1 - len(verify))
+            if total / (seconds * self.clock.cycle_scale) > best_rate:
+                best, best_rate = n, total / (seconds * self.clock.cycle_scale)
+        return best
 
     def stale(self) -> bool:
         """Whether this generation's timings say the measured costs are off by more than STALE_RATIO."""

@@ -23,9 +23,10 @@ import numpy as np
 
 from .adaptive import AdaptiveBlocks, BlockPolicy, FixedBlocks
 from .drafter import DFlashDraftModel
+from .lookup import CopySpec, LookupConfig, Match, branch_tree, graft, leading_matches, one_hot_proposal, verifies_trees
 from .prompt_cache import PromptCache
-from .sampling import (LogitsProcessor, Processing, Sampler, SamplingParams, accept, draft_acceptance, log_softmax,
-                       processing, sample)
+from .sampling import (LogitsProcessor, Processing, Proposal, Sampler, SamplingParams, accept, draft_acceptance,
+                       log_softmax, processing, sample)
 from .target import Capture, Target
 from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
                    process_tree_rows, tree_attention)
@@ -48,6 +49,9 @@ class Step(NamedTuple):
     # [len(tokens), V]: row i the log-probabilities tokens[i] was chosen from (the processed target row,
     # log-softmaxed; mlx-lm's `logprobs`), lazy: nothing is computed unless a caller evaluates it
     logprobs: mx.array | None = None
+    # the branch its accepted drafts came from where the cycle verified a lookup (`lookup.py`): "lookup" or
+    # "drafter"; None where it verified the drafter's path alone
+    branch: str | None = None
 
 
 def plain_steps(
@@ -84,70 +88,93 @@ def dflash_steps(
     walk: str = "greedy",
     prompt_cache: PromptCache | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
+    copyspec: LookupConfig | None = None,
 ) -> Iterator[Step]:
     """`blocks` picks each cycle's block size: B >= 2 drafts B-1 tokens, B = 1 runs plain steps.
-    `prompt_cache`: start from the prefix it shares with `prompt`, and leave this generation's caches in it."""
+    `prompt_cache`: start from the prefix it shares with `prompt`, and leave this generation's caches in it.
+    `copyspec`: look continuations up in the context (`lookup.py`); a cycle with one verifies it beside the
+    drafter's path (one tree pass; one branch where the target cannot verify a tree), or alone where `blocks`
+    runs no drafter."""
     state = prompt_cache if prompt_cache is not None else PromptCache()
     procs = processing(logits_processors, prompt)
+    metal = "accept_greedy" in drafter.metal_kernels
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
+        spec = None if copyspec is None else CopySpec(copyspec, prompt.tolist(), verifies_trees(target, cache))
+        commit = _committer(state, spec)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
         anchor, row = _choose(logits, params, procs)
-        yield state.commit(Step([anchor.item()], logprobs=log_softmax(row)[None]), [context])
+        yield commit(Step([anchor.item()], logprobs=log_softmax(row)[None]), [context])
         produced, tic, clear_at = 1, time.perf_counter(), 1
         while True:
             clear_at = _free_buffers(produced, clear_at)
-            B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
-            if B == 1:  # plain steps until drafting pays again; the cycle then drafts from the run's last token
-                anchor, context, produced, B, clear_at = yield from _plain_run(
-                    tap, cache, drafter, draft_cache, state, blocks, params, procs, walk, max_tokens,
+            B = blocks.next_block(_left(max_tokens, produced))
+            match = _lookup(spec, blocks, _left(max_tokens, produced))
+            if B == 1 and match is None:  # plain steps until drafting or a lookup pays; the cycle then starts
+                anchor, context, produced, B, clear_at = yield from _plain_run(  # from the run's last token
+                    tap, cache, drafter, draft_cache, commit, spec, blocks, params, procs, walk, max_tokens,
                     anchor, context, produced, clear_at)
-                B = B if max_tokens is None else max(2, min(B, max_tokens - produced + 1))
+                B = B if max_tokens is None or B == 1 else max(2, min(B, max_tokens - produced + 1))
+                match, tic = _lookup(spec, blocks, _left(max_tokens, produced)), time.perf_counter()
+                if B == 1 and match is None:  # the lookup that ended the run broke with the run's last token
+                    continue
+            if B == 1 or match is not None and not spec.trees and spec.lookup_wins(match):
+                # The lookup alone, no drafter pass: the rows' features wait for the drafter's next pass.
+                tokens, a, rows, features = _verify_lookup(tap, cache, anchor, match, spec, params, procs, metal)
+                anchor, context, produced = mx.array(tokens[-1], anchor.dtype), mx.concatenate([context, features]), produced + a + 1
+                yield commit(Step(tokens, a, False, len(match.tokens) + 1, logprobs=log_softmax(rows), branch="lookup"),
+                             [context])
                 tic = time.perf_counter()
+                continue
             # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept:
             # adaptive mode picks B again from the rows' confidences (a host read), fixed blocks keep it.
             proposal = drafter.propose(drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache,
                                        params, walk)
-            B = blocks.verified_block(B, proposal.confidence, None if max_tokens is None else max_tokens - produced + 1)
-            if B == 1:  # no draft worth verifying: a plain step from the anchor, whose token scores the first draft
-                logits, context = tap.forward(anchor.reshape(1), cache)
-                anchor, row = _choose(logits[-1], params, procs)
-                first = draft_acceptance(proposal, anchor[None], row[None], params)[1, 0]
-                mx.eval(anchor, first)
-                produced += 1
+            B = blocks.verified_block(B, proposal.confidence, _left(max_tokens, produced))
+            if B == 1:  # no draft worth verifying: the lookup alone, or a plain step; its first token scores the first draft
+                if match is None:
+                    logits, features = tap.forward(anchor.reshape(1), cache)
+                    anchor, row = _choose(logits[-1], params, procs)
+                    first = draft_acceptance(proposal, anchor[None], row[None], params)[1, 0]
+                    mx.eval(anchor, first)
+                    tokens, a, rows = [anchor.item()], 0, row[None]
+                else:
+                    tokens, a, rows, features = _verify_lookup(tap, cache, anchor, match, spec, params, procs, metal)
+                    anchor = mx.array(tokens[-1], anchor.dtype)
+                    first = draft_acceptance(proposal, mx.array(tokens[:1], anchor.dtype), rows[:1], params)[1, 0]
+                produced += a + 1
                 blocks.observe_unverified(first.item(), time.perf_counter() - tic)
-                yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), [context])
+                context = features if match is None else mx.concatenate([context, features])
+                yield commit(Step(tokens, None if match is None else a, False, 1 if match is None else len(match.tokens) + 1,
+                                  logprobs=log_softmax(rows), branch=None if match is None else "lookup"), [context])
                 tic = time.perf_counter()
                 continue
             proposal = proposal.first(B - 1)
-            # Verify: one target pass over [anchor, drafts], features captured on the way.
-            verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens]), cache)
-            # Processors see each row's drafts before it, as plain decoding would have after accepting them.
-            rows = verified.logits if procs is None else procs.rows(verified.logits, proposal.tokens)
-            # Non-finite draft logits (e.g. an fp16 drafter overflowing) accept nothing: one plain-decoding token.
-            accepted, bonus = accept(proposal, rows, params, "accept_greedy" in drafter.metal_kernels)
-            # The cycle's device -> host transfer (adaptive mode's confidences aside).
-            head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
-            result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()
-            a, bonus_id = result[0], result[1]
-            if procs is not None:
-                procs.commit(result[3 : 3 + a] + [bonus_id])
-            tap.rollback(cache, verified, a + 1)
-            context = verified.features[: a + 1]  # features of the anchor and the accepted drafts only
-            anchor = mx.array(bonus_id, dtype=anchor.dtype)
+            if match is None or not spec.trees:  # the drafter's path alone: one target pass over [anchor, drafts]
+                tokens, a, finite, drafts, rows, context = _verify_line(tap, cache, anchor, proposal, params, procs, metal)
+                branch, match = None, None
+            else:  # both branches in one tree pass, the shared prefix fed once; the longer accepted one is kept
+                drafts = mx.concatenate([proposal.finite[None].astype(proposal.tokens.dtype), proposal.tokens]).tolist()
+                finite, drafts = bool(drafts[0]), drafts[1:] if drafts[0] else []  # non-finite: the lookup alone
+                tree = branch_tree(anchor.item(), drafts, match.tokens)
+                path, tokens, rows, context = _verify_tree(target, tap, cache, tree, params, procs)
+                a, branch = len(path) - 1, "lookup" if path[-1] > len(drafts) else "drafter"
+            anchor = mx.array(tokens[-1], dtype=anchor.dtype)
             produced += a + 1
-            blocks.observe_cycle(B, a, time.perf_counter() - tic)
-            yield state.commit(Step(result[3 : 3 + a] + [bonus_id], a, not result[2], B,
-                                    logprobs=log_softmax(rows[: a + 1])), [context])
+            blocks.observe_cycle(B, leading_matches(drafts, tokens[:-1]), time.perf_counter() - tic)
+            if spec is not None:
+                spec.observe(match, tokens, drafts)
+            yield commit(Step(tokens, a, not finite, B, logprobs=log_softmax(rows), branch=branch), [context])
             tic = time.perf_counter()
 
 
-def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache: list, state: PromptCache,
-               blocks: AdaptiveBlocks, params: SamplingParams, procs: Processing | None, walk: str,
-               max_tokens: int | None, anchor: mx.array, context: mx.array, produced: int,
+def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache: list, commit,
+               spec: CopySpec | None, blocks: AdaptiveBlocks, params: SamplingParams, procs: Processing | None,
+               walk: str, max_tokens: int | None, anchor: mx.array, context: mx.array, produced: int,
                clear_at: int) -> Generator[Step, None, tuple[mx.array, mx.array, int, int, int]]:
-    """Plain steps from `anchor` (a run chosen by adaptive mode), until `blocks` picks a block to draft again.
+    """Plain steps from `anchor` (a run chosen by adaptive mode), until `blocks` picks a block to draft again or
+    a lookup (`spec`) is worth verifying.
 
     Pipelined as `plain_steps` is, also from one run to the next: a step is always in flight. Each run starts
     with a shadow probe: the drafter's next block from the rows it has not taken in (which it keeps), scored by
@@ -155,14 +182,14 @@ def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache
     block, the size the estimates describe, even where fewer of its drafts can be scored (a run cut short by
     max_tokens).
 
-    Yields each plain step's `Step`, the last one the token the next cycle drafts from; returns (`yield from`)
-    (that token, the features of the rows the drafter has yet to take in, the tokens produced, the block size
-    picked, the token count at which to free buffers next).
+    Yields each plain step's `Step` (through `commit`), the last one the token the next cycle starts from; returns
+    (`yield from`) (that token, the features of the rows the drafter has yet to take in, the tokens produced, the
+    block size picked (1: a lookup ended the run), the token count at which to free buffers next).
     """
     pending = [context]  # features of fed rows the drafter has yet to take in; the last: in flight
     ahead = _plain_step(tap, cache, anchor, params, procs, pending)
-    timed_from, timed, B = None, 0, 1
-    while B == 1:
+    timed_from, timed, B, copying = None, 0, 1, False
+    while B == 1 and not copying:
         run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
         shadow = drafter.propose(drafter.input_block(anchor, blocks.block_max),
                                  mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
@@ -184,14 +211,15 @@ def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache
                 chain, single = score.tolist()
                 blocks.observe_shadow(chain, single, shadow.confidence.tolist())
                 step = step._replace(shadow=chain)
-            yield state.commit(step, pending)
+            yield commit(step, pending)
             if timed_from is None:  # steady steps are timed from the first one read (it waited for a cycle)
                 timed_from = time.perf_counter()
             else:
                 timed += 1
-            if scoring and i < run - 1 and blocks.drafting_wins(
+            copying = _lookup(spec, blocks, _left(max_tokens, produced + i + 1)) is not None
+            if copying or scoring and i < run - 1 and blocks.drafting_wins(
                     None if max_tokens is None else max_tokens - produced - i):
-                run = i + 1  # the probe says drafting pays now: the run ends here
+                run = i + 1  # a lookup is worth verifying, or the probe says drafting pays now: the run ends here
                 break
         produced += run
         if timed:  # the window holds this run's probe
@@ -201,7 +229,7 @@ def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache
         B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
     # Drafting again: the step in flight commits its token first, and the cycle drafts from the next.
     anchor, row = ahead
-    yield state.commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), pending)
+    yield commit(Step([anchor.item()], block_size=1, logprobs=log_softmax(row)[None]), pending)
     return anchor, mx.concatenate(pending), produced + 1, B, clear_at
 
 
@@ -216,24 +244,28 @@ def tree_steps(
     prefill_step_size: int = 2048,
     prompt_cache: PromptCache | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
+    copyspec: LookupConfig | None = None,
 ) -> Iterator[Step]:
-    """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep. Two reads per
-    cycle: the lattice (the tree is built on the host) and the target's choice at every node."""
+    """`dflash_steps` with a tree: up to `budget` draft nodes, at most block_size - 1 deep, and a lookup's
+    continuation (`copyspec`) grafted on. Two reads per cycle: the lattice (the tree is built on the host) and the
+    target's choice at every node."""
     check_target(target)
     state = prompt_cache if prompt_cache is not None else PromptCache()
     procs = processing(logits_processors, prompt)
     with target.capture() as tap, state.filling():
         cache, draft_cache, seen, rest = state.start(target, drafter, prompt)
         check_cache(cache)
+        spec = None if copyspec is None else CopySpec(copyspec, prompt.tolist(), trees=True)
+        commit = _committer(state, spec)
         logits, context = tap.prefill(rest, cache, prefill_step_size)
         context = context if seen is None else mx.concatenate([seen, context])
         anchor, row = _choose(logits, params, procs)
         anchor = anchor.item()
-        yield state.commit(Step([anchor], logprobs=log_softmax(row)[None]), [context])
+        yield commit(Step([anchor], logprobs=log_softmax(row)[None]), [context])
         produced, blocks, clear_at = 1, FixedBlocks(block_size), 1
         while True:
             clear_at = _free_buffers(produced, clear_at)
-            B = blocks.next_block(None if max_tokens is None else max_tokens - produced + 1)
+            B = blocks.next_block(_left(max_tokens, produced))
             # Draft: one drafter pass over [anchor, mask * (B-1)], its rows read as a lattice, then a tree.
             block = drafter.input_block(anchor, B)
             hidden, draft_logits = drafter.draft_rows(block, context[None], draft_cache)
@@ -243,19 +275,97 @@ def tree_steps(
             mx.eval(lattice.candidates, logq, finite)
             finite = finite.item()  # non-finite draft logits draft nothing: the cycle commits the target's token
             tree = build_tree(anchor, np.array(lattice.candidates), np.array(logq), budget if finite else 0)
+            drafted, match = tree.size, _lookup(spec, blocks, _left(max_tokens, produced))
+            if match is not None:
+                tree, _ = graft(tree, match.tokens)
             # Verify: one target pass over the tree, each node at its depth seeing its ancestors only.
-            with tree_attention(target, cache, tree):
-                verified = tap.verify(mx.array(tree.tokens), cache)
-            rows = verified.logits if procs is None else process_tree_rows(tree, verified.logits, procs)
-            path, anchor = accept_tree(tree, rows, params)
-            if procs is not None:
-                procs.commit([tree.tokens[i] for i in path[1:]] + [anchor])
-            keep_path_first(cache, tree.size, path)
-            tap.rollback(cache, verified, len(path))
-            context = verified.features[mx.array(path)]
+            path, tokens, rows, context = _verify_tree(target, tap, cache, tree, params, procs)
+            if spec is not None:
+                spec.observe(match, tokens, None)
+            anchor = tokens[-1]
             produced += len(path)
-            yield state.commit(Step([tree.tokens[i] for i in path[1:]] + [anchor], len(path) - 1, not finite, B,
-                                    logprobs=log_softmax(rows[mx.array(path)])), [context])
+            branch = None if match is None else "lookup" if max(path) >= drafted else "drafter"
+            yield commit(Step(tokens, len(path) - 1, not finite, B, logprobs=log_softmax(rows), branch=branch),
+                         [context])
+
+
+def _committer(state: PromptCache, spec: CopySpec | None):
+    """`state.commit`, the committed tokens indexed by `spec`'s lookup first (where there is one)."""
+    if spec is None:
+        return state.commit
+
+    def commit(step: Step, pending: list) -> Step:
+        spec.index.extend(step.tokens)
+        return state.commit(step, pending)
+    return commit
+
+
+def _left(max_tokens: int | None, produced: int) -> int | None:
+    """The largest block a cycle may verify with `produced` of `max_tokens` committed (None: no limit)."""
+    return None if max_tokens is None else max_tokens - produced + 1
+
+
+def _lookup(spec: CopySpec | None, blocks: BlockPolicy, left: int | None) -> Match | None:
+    """The lookup a cycle verifies, with at most `left` - 1 drafts (its bonus the last token), as many as `blocks`
+    finds worth verifying; None where there is no lookup, no match, or none is worth it."""
+    if spec is None or left is not None and left < 2:
+        return None
+    match = spec.propose(None if left is None else left - 1)
+    if match is None:
+        return None
+    n = blocks.lookup_drafts(spec.acceptance(match), len(match.tokens))
+    return match._replace(tokens=match.tokens[:n]) if n else None
+
+
+def _verify_line(tap: Capture, cache: list, anchor: mx.array, proposal: Proposal, params: SamplingParams,
+                 procs: Processing | None, metal: bool):
+    """One target pass over [anchor, drafts], accepted by `sampling.accept`; the cache keeps the committed rows.
+
+    Returns:
+        (the committed tokens, the drafts accepted, whether the drafts were finite, the drafts, the rows the
+        tokens were chosen from [a+1, V], the features of the anchor and the accepted drafts).
+    """
+    verified = tap.verify(mx.concatenate([anchor.reshape(1), proposal.tokens.astype(anchor.dtype)]), cache)
+    # Processors see each row's drafts before it, as plain decoding would have after accepting them.
+    rows = verified.logits if procs is None else procs.rows(verified.logits, proposal.tokens)
+    # Non-finite draft logits accept nothing: one plain-decoding token.
+    accepted, bonus = accept(proposal, rows, params, metal)
+    # The cycle's device -> host transfer (adaptive mode's confidences aside).
+    head = mx.stack([accepted, bonus.astype(accepted.dtype), proposal.finite.astype(accepted.dtype)])
+    result = mx.concatenate([head, proposal.tokens.astype(accepted.dtype)]).tolist()
+    a, drafts = result[0], result[3:]
+    tokens = drafts[:a] + [result[1]]
+    if procs is not None:
+        procs.commit(tokens)
+    tap.rollback(cache, verified, a + 1)
+    return tokens, a, bool(result[2]), drafts, rows[: a + 1], verified.features[: a + 1]
+
+
+def _verify_lookup(tap: Capture, cache: list, anchor: mx.array, match: Match, spec: CopySpec,
+                   params: SamplingParams, procs: Processing | None, metal: bool):
+    """A lookup's drafts alone, verified as a one-hot proposal and counted by `spec`: (the committed tokens, the
+    drafts accepted, their rows, their features)."""
+    tokens, a, _, _, rows, features = _verify_line(tap, cache, anchor, one_hot_proposal(match.tokens), params, procs,
+                                                   metal)
+    spec.observe(match, tokens, None)
+    return tokens, a, rows, features
+
+
+def _verify_tree(target: Target, tap: Capture, cache: list, tree, params: SamplingParams, procs: Processing | None):
+    """One target pass over a token tree, each node seeing its ancestors only, and its walk (`accept_tree`); the
+    cache keeps the accepted path's rows. Returns (the path's node indices from the anchor, the committed tokens,
+    the rows they were chosen from, the features of the path's rows)."""
+    with tree_attention(target, cache, tree):
+        verified = tap.verify(mx.array(tree.tokens), cache)
+    rows = verified.logits if procs is None else process_tree_rows(tree, verified.logits, procs)
+    path, bonus = accept_tree(tree, rows, params)
+    tokens = [tree.tokens[i] for i in path[1:]] + [bonus]
+    if procs is not None:
+        procs.commit(tokens)
+    keep_path_first(cache, tree.size, path)
+    tap.rollback(cache, verified, len(path))
+    kept = mx.array(path)
+    return path, tokens, rows[kept], verified.features[kept]
 
 
 def _free_buffers(produced: int, clear_at: int) -> int:

@@ -23,6 +23,7 @@ from .costs import CostModel, forget_costs, load_or_measure_costs
 from .decode import dflash_steps, plain_steps, tree_steps
 from .drafter import DFlashDraftModel
 from .loading import bind_drafter
+from .lookup import COPYSPEC_MODES, LookupConfig, copyspec_config
 from .prompt_cache import PromptCache
 from .sampling import LogitsProcessor, Sampler, SamplingParams, sampler_params
 from .target import Target
@@ -54,6 +55,9 @@ class CycleResponse:
     # [len(tokens), V]: the log-probabilities each token was chosen from (the target's processed row,
     # log-softmaxed: mlx-lm's `logprobs`), a lazy MLX array: computed only when read
     logprobs: mx.array | None = None
+    # where the cycle verified a lookup's continuation (`--copyspec-mode`): the branch its accepted drafts came
+    # from, "lookup" or "drafter"; None where it verified the drafter's path alone (or was no cycle)
+    branch: str | None = None
 
 
 @dataclass
@@ -77,6 +81,7 @@ class GenerationResponse:
     draft_failed: bool = False
     tree_budget: int | None = None
     shadow: list[float] | None = None
+    branch: str | None = None  # the cycle's winning branch where it verified a lookup (`CycleResponse.branch`)
     cycle: int = 0  # which step of the generation committed it (0: the prefill token)
 
 
@@ -100,6 +105,9 @@ class GenerationResult:
     # adaptive mode's shadow probes (one per plain run): how many, and their mean P(drafts 1..i accepted)
     shadow_probes: int = 0
     shadow_acceptance: list[float] | None = None
+    # drafts accepted from lookups' continuations (`--copyspec-mode`), and the cycles a lookup's branch won
+    lookup_tokens: int = 0
+    lookup_cycles: int = 0
     cycles: int = field(init=False)
     tau: float | None = field(init=False)  # mean tokens committed per cycle, bonus included
 
@@ -161,6 +169,7 @@ def check_generation_arguments(
     logits_processors: Sequence[LogitsProcessor] | None = None,
     sampler: Sampler | None = None,
     sampling: tuple[float, float, int, float] = (0.0, 1.0, 0, 0.0),
+    copyspec_mode: str | LookupConfig = "auto",
 ) -> list[LogitsProcessor]:
     """Check `stream_cycles`' arguments before anything is loaded or run.
 
@@ -169,6 +178,7 @@ def check_generation_arguments(
             takes them.
         sampling: `stream_cycles`' (temp, top_p, top_k, min_p); with a sampler, they must be left at these
             defaults. Their ranges are `SamplingParams`' to check.
+        copyspec_mode: as `stream_cycles` takes it.
 
     Returns:
         The logits processors as a list (empty for None).
@@ -178,6 +188,8 @@ def check_generation_arguments(
     """
     if verify_mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {verify_mode!r}")
+    if not isinstance(copyspec_mode, LookupConfig) and copyspec_mode not in COPYSPEC_MODES:
+        raise ValueError(f"copyspec mode must be one of {COPYSPEC_MODES}, got {copyspec_mode!r}")
     if verify_mode != "off" and drafter is None:
         raise ValueError(f"verify mode {verify_mode!r} needs a drafter (--draft-model); use 'off' for plain decoding")
     if tree_budget is not None and verify_mode != "ddtree":
@@ -247,6 +259,7 @@ def stream_cycles(
     costs: CostModel | None = None,
     sampler: Sampler | None = None,
     detokenize: bool = True,
+    copyspec_mode: str | LookupConfig = "auto",
 ) -> Iterator[CycleResponse]:
     """One `CycleResponse` per decode step (`stream_generate` yields the same generation per token).
 
@@ -285,11 +298,17 @@ def stream_cycles(
     output is still exactly mlx-lm's), with one warning saying why; refusing it would break mlx-lm code that
     works, and guessing its law could make the output wrong.
     detokenize: False leaves every record's text empty (for a caller that decodes the tokens itself).
+    copyspec_mode: copy drafts (`lookup.py`, docs/copy.md): "auto", "conservative" or "aggressive" look the
+    continuation of the text's last tokens up in the context (prompt and answer so far) and verify it beside the
+    drafter's block, in every verify mode but "off"; "off" looks nothing up; a `lookup.LookupConfig` sets the
+    shortest match and the longest continuation itself. The output is the same.
     Each record's `logprobs` stays lazy: reading it costs a host transfer, keeping it keeps [tokens, V] alive.
     """
     logits_processors = check_generation_arguments(
         drafter, verify_mode=verify_mode, walk=walk, tree_budget=tree_budget, max_tokens=max_tokens,
-        logits_processors=logits_processors, sampler=sampler, sampling=(temp, top_p, top_k, min_p))
+        logits_processors=logits_processors, sampler=sampler, sampling=(temp, top_p, top_k, min_p),
+        copyspec_mode=copyspec_mode)
+    copyspec = copyspec_config(copyspec_mode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     params, foreign, verify_mode = _sampling(sampler, temp, top_p, top_k, min_p, verify_mode)
@@ -314,13 +333,13 @@ def stream_cycles(
         if tree_budget is None:
             tree_budget = default_budget(load_or_measure_costs(target, drafter, B, TREE_BUDGET_MAX + 1), B)
         steps = tree_steps(target, drafter, prompt, params, B, tree_budget, max_tokens, prefill_step_size,
-                           prompt_cache, logits_processors)
+                           prompt_cache, logits_processors, copyspec)
     elif verify_mode != "off":
         drafter.check_walk(walk)
         blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode,
                               costs)
         steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache,
-                             logits_processors)
+                             logits_processors, copyspec)
     else:
         steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache, logits_processors, foreign)
 
@@ -330,7 +349,7 @@ def stream_cycles(
     tic = time.perf_counter()
     try:
         with wired_limit(model, [generation_stream]):
-            for i, (tokens, accepted, draft_failed, step_block, shadow, logprobs) in enumerate(steps):
+            for i, (tokens, accepted, draft_failed, step_block, shadow, logprobs, branch) in enumerate(steps):
                 if i == 0:
                     prefilled = prompt.size - (prompt_cache.reused if prompt_cache is not None else 0)
                     prompt_tps = prefilled / (time.perf_counter() - tic)  # the tokens the cache did not hold
@@ -363,6 +382,7 @@ def stream_cycles(
                     tree_budget=tree_budget if verify_mode == "ddtree" else None,
                     shadow=shadow,
                     logprobs=None if logprobs is None else logprobs[: len(tokens)],
+                    branch=branch,
                 )
                 if finish:
                     return
@@ -447,6 +467,7 @@ def stream_generate(
                     draft_failed=record.draft_failed,
                     tree_budget=record.tree_budget,
                     shadow=record.shadow,
+                    branch=record.branch,
                     cycle=c,
                 )
     finally:
@@ -459,7 +480,7 @@ def summarize(
     """The `GenerationResult` of a generation's `stream_cycles` records (all of them, or those read before it was
     stopped); `drafter` and `block_size` as given to `stream_cycles`."""
     text, tokens, accepted, failures, last = "", [], [], 0, records[-1]
-    block_sizes, plain_tokens, shadows = Counter(), 0, []
+    block_sizes, plain_tokens, shadows, lookup_tokens, lookup_cycles = Counter(), 0, [], 0, 0
     for r in records:
         text += r.text
         tokens += r.tokens
@@ -471,6 +492,9 @@ def summarize(
         failures += r.draft_failed
         if r.shadow is not None:
             shadows.append(r.shadow)
+        if r.branch == "lookup":
+            lookup_tokens += r.accepted
+            lookup_cycles += 1
     speculative = last.verify_mode != "off"
     return GenerationResult(
         text=text,
@@ -490,6 +514,8 @@ def summarize(
         plain_tokens=plain_tokens,
         shadow_probes=len(shadows),
         shadow_acceptance=_mean_by_position(shadows),
+        lookup_tokens=lookup_tokens,
+        lookup_cycles=lookup_cycles,
     )
 
 

@@ -223,7 +223,8 @@ class CopySpec:
         self.config, self.trees = config, trees
         self.index = LookupIndex(config, prompt)
         self.lookups = [AcceptanceEstimates(config.max_draft, decay=0.8) for _ in range(6)]
-        self.drafter_tokens = 2.0  # decayed mean of tokens a drafter's cycle committed (a neutral start)
+        # decayed mean of tokens a drafter's cycle committed, from one and half a draft: a lookup (which wins ties) is tried
+        self.drafter_tokens = 1.5
 
     def propose(self, limit: int | None = None) -> Match | None:
         return self.index.propose(limit)
@@ -242,17 +243,15 @@ class CopySpec:
         to commit at least as many tokens (`drafter_expected`: the drafter's, default its decayed mean)."""
         return self.expected(match) >= (self.drafter_tokens if drafter_expected is None else drafter_expected)
 
-    def observe(self, match: Match | None, committed: Sequence[int], drafts: Sequence[int] | None) -> str | None:
+    def observe(self, match: Match | None, committed: Sequence[int], drafts: Sequence[int] | None) -> None:
         """Count a cycle: its lookup's outcome (`match`, None: none verified) and its drafter's (`drafts`, None: no
-        drafter path verified) against the tokens it committed. Returns the branch that won ("lookup": its
-        drafts accepted beyond the drafter's; "drafter"), None without a lookup."""
-        a_draft = None if drafts is None else min(leading_matches(drafts, committed), len(drafts))
-        if a_draft is not None:
-            self.drafter_tokens = 0.8 * self.drafter_tokens + 0.2 * (a_draft + 1)
+        drafter path verified) against the tokens it committed (the positions reached: those accepted and the
+        first rejection)."""
+        if drafts is not None:
+            self.drafter_tokens = 0.8 * self.drafter_tokens + 0.2 * (leading_matches(drafts, committed[:-1]) + 1)
         if match is None:
-            return None
-        a_copy = min(leading_matches(match.tokens, committed), len(match.tokens))
+            return
+        accepted = leading_matches(match.tokens, committed[:-1])
         estimates = self.lookups[match_bucket(match.length)]
-        for i in range(min(a_copy + 1, len(match.tokens))):
-            estimates.count(i, 1.0, float(i < a_copy))
-        return "lookup" if a_draft is None or a_copy > a_draft else "drafter"
+        for i in range(min(accepted + 1, len(match.tokens))):
+            estimates.count(i, 1.0, float(i < accepted))

@@ -624,7 +624,8 @@ def test_a_plain_run_ends_where_its_probe_says_drafting_pays(tokenizer, measured
     if not cut:
         monkeypatch.setattr(AdaptiveBlocks, "drafting_wins", lambda self, left: False)
     records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
-                                                   verify_mode="adaptive", max_tokens=40, eos_token_ids=[]))
+                                                   verify_mode="adaptive", max_tokens=40, eos_token_ids=[],
+                                                   copyspec_mode="off"))  # runs ended by probes alone
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=40, eos_token_ids=[])
     assert [t for r in records for t in r.tokens] == plain
     first_cycle = next(i for i, r in enumerate(records) if r.block_size and r.block_size > 1)

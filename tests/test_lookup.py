@@ -4,11 +4,22 @@ lossless decoding with lookups firing in every verify mode."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
+import mlx.core as mx
 import pytest
+from helpers import (COSTS, N, N_BROKEN, PROMPT, SETTINGS, V, assert_follows_mlx_lm, chi_square, decide_on,
+                     exact_distribution, make_drafter, make_hybrid, make_oracle, make_target, prompts)
+from mlx_lm.generate import generate_step
 
+from dflash2_mlx import decode, generate, stream_cycles
+from dflash2_mlx.adaptive import FixedBlocks
+from dflash2_mlx.decode import dflash_steps
+from dflash2_mlx.generate import summarize
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.lookup import (MODES, CopySpec, LookupConfig, LookupIndex, Match, branch_tree, copyspec_config,
                                 graft, leading_matches, match_bucket)
+from dflash2_mlx.sampling import Proposal
 from dflash2_mlx.tree import Tree
 
 
@@ -93,8 +104,120 @@ def test_acceptance_is_tracked_by_match_length():
     spec = CopySpec(LookupConfig(2, 4), [], trees=True)
     long, short = Match([1, 2, 3, 4], 20), Match([1, 2, 3, 4], 2)
     for _ in range(10):
-        assert spec.observe(long, [1, 2, 3, 4, 5], [1, 9, 9]) == "lookup"
-        assert spec.observe(short, [7, 7], [7, 9, 9]) == "drafter"
+        spec.observe(long, [1, 2, 3, 4, 5], [1, 9, 9])
+        spec.observe(short, [7, 7], [7, 9, 9])
     assert spec.expected(long) > 4.5 and spec.expected(short) < 1.2
     assert spec.lookup_wins(long) and not spec.lookup_wins(short)
-    assert spec.observe(None, [1], [1]) is None
+    assert spec.drafter_tokens == pytest.approx(1.5 * 0.8 ** 20 + 2.0 * (1 - 0.8 ** 20))  # 1 draft and the bonus
+
+
+# -- lossless with lookups firing ---------------------------------------------------------------------------------
+
+def repeating_prompts(model, tokenizer, n: int = 3) -> list[list[int]]:
+    """Prompts that repeat themselves: p, the target's own greedy answer to p, then p again; the lookup of the last
+    p proposes that answer (which the target, in its new context, may or may not give again)."""
+    out = []
+    for p in prompts(n, seed=5):
+        answer = generate(model, tokenizer, p, None, verify_mode="off", max_tokens=40, eos_token_ids=[]).tokens
+        out.append(p + answer + p)
+    return out
+
+
+MODELS = {"qwen3": lambda: make_target("qwen3", seed=1), "llama": lambda: make_target("llama", seed=1),
+          "hybrid": lambda: make_hybrid("qwen3_5")}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_greedy_identical_to_mlx_lm_with_lookups(arch, tokenizer, monkeypatch):
+    """Every verify mode the target runs, copy drafts on (from matches of one token: they fire most), is token for token
+    mlx-lm's greedy generation; lookups were verified in each mode, and won cycles. The spoiled oracle checks on every
+    pass that the drafter is given the features of exactly the tokens committed since its last pass (a lookup
+    verified alone skips the drafter)."""
+    decide_on(monkeypatch, COSTS)
+    model = MODELS[arch]()
+    modes = ["dflash", "adaptive"] + ([] if arch == "hybrid" else ["ddtree"])
+    fired, won = dict.fromkeys(modes, 0), 0
+    for i, prompt in enumerate(repeating_prompts(model, tokenizer)):
+        theirs = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model), range(40))]
+        for mode in modes:
+            drafter = make_oracle(model, prompt, block_size=8, spoil_seed=i) if mode != "ddtree" else \
+                make_drafter(model, block_size=8, seed=7)
+            records = list(stream_cycles(model, tokenizer, prompt, drafter, verify_mode=mode, max_tokens=40,
+                                         eos_token_ids=[], copyspec_mode=LookupConfig(1, 8),
+                                         **({"tree_budget": 4} if mode == "ddtree" else {})))
+            assert [t for r in records for t in r.tokens] == theirs, f"{arch} prompt {i} {mode}"
+            result = summarize(records, drafter)
+            assert result.lookup_tokens == sum(r.accepted for r in records if r.branch == "lookup")
+            fired[mode] += sum(r.branch is not None for r in records)
+            won += result.lookup_tokens
+    assert all(fired.values()) and won > 0, (fired, won)
+
+
+def test_lookup_off_is_todays_cycle(tokenizer):
+    model = make_target("qwen3", seed=1)
+    prompt = repeating_prompts(model, tokenizer, 1)[0]
+    oracle = make_oracle(model, prompt, block_size=8, spoil_seed=3)
+    records = list(stream_cycles(model, tokenizer, prompt, oracle, verify_mode="dflash", max_tokens=30,
+                                 eos_token_ids=[], copyspec_mode="off"))
+    assert all(r.branch is None for r in records) and oracle.calls == len(records) - 1
+    with pytest.raises(ValueError, match="copyspec mode must be one of"):
+        generate(model, tokenizer, prompt, oracle, copyspec_mode="on")
+
+
+# -- T > 0: the target's distribution with lookup branches ------------------------------------------------------
+
+def sample_with_lookups(target, drafter, params, seed, n=N):
+    """n draws of the 3 tokens after PROMPT from `dflash_steps` (block 3), looking up matches of one token (on 4
+    token ids nearly every cycle has one); also the cycles' branches."""
+    mx.random.seed(seed)
+    counts, branches = Counter(), Counter()
+    for _ in range(n):
+        steps = dflash_steps(target, drafter, mx.array(PROMPT, mx.uint32), params, FixedBlocks(3), max_tokens=3,
+                             copyspec=LookupConfig(min_match=1, max_draft=2))
+        tokens = []
+        for step in steps:
+            tokens += step.tokens
+            branches[step.branch] += 1
+            if len(tokens) >= 3:
+                break
+        steps.close()
+        counts[tuple(tokens[:3])] += 1
+    return counts, branches
+
+
+@pytest.fixture(scope="module")
+def sampling_pairs():
+    llama = make_target("llama", vocab=V, seed=21)
+    hybrid = make_hybrid("qwen3_5", vocab=V, seed=21)
+    return {name: (model, make_drafter(model, block_size=4, seed=5, output_multiplier=4.0))
+            for name, model in (("llama", llama), ("hybrid", hybrid))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "hybrid"])
+def test_sampling_with_lookups_follows_mlx_lm(name, sampling_pairs):
+    """Two branches in one tree pass (llama) and a lookup verified alone as a one-hot proposal (the hybrid)."""
+    model, drafter = sampling_pairs[name]
+    params = SETTINGS["t0.7-topp0.9"]
+    counts, branches = sample_with_lookups(bind_drafter(drafter, model), drafter, params, seed=2)
+    assert_follows_mlx_lm(model, counts, params)
+    assert branches["lookup"] > N // 10, branches  # lookups were verified, and won
+    assert name == "hybrid" or branches["drafter"] > 0
+
+
+def _lookup_as_sampled(tokens):
+    """The mutation: a lookup's drafts taken as drawn from a spread distribution (uniform over the vocabulary)
+    instead of the point mass they are."""
+    ids = mx.array(list(tokens), dtype=mx.uint32)
+    return Proposal(ids, mx.broadcast_to(mx.arange(V, dtype=mx.uint32), (ids.size, V)),
+                    mx.full((ids.size, V), 1.0 / V), mx.array(True))
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_lookup_taken_as_sampled(sampling_pairs, monkeypatch):
+    model, drafter = sampling_pairs["hybrid"]
+    params = SETTINGS["t1"]
+    monkeypatch.setattr(decode, "one_hot_proposal", _lookup_as_sampled)
+    counts, _ = sample_with_lookups(bind_drafter(drafter, model), drafter, params, seed=2, n=N_BROKEN)
+    stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
+    assert stat > critical, f"a lookup taken as sampled passed: chi2 {stat:.1f} < {critical:.1f}"

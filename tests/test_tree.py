@@ -147,7 +147,7 @@ def test_siblings_raise_acceptance_over_the_linear_path(tokenizer):
     cycle accepts all 3 drafts."""
     model = make_target("qwen3", seed=8)
     prompt = prompts(1, seed=8)[0]
-    kw = dict(block_size=4, max_tokens=37, eos_token_ids=[])  # 9 cycles of 4 tokens, or 12 of 3
+    kw = dict(block_size=4, max_tokens=37, eos_token_ids=[], copyspec_mode="off")  # 9 cycles of 4, or 12 of 3
     linear = generate(model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="dflash", **kw)
     tree = generate(model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="ddtree",
                     tree_budget=16, **kw)
@@ -366,7 +366,8 @@ def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
     assert sim["blocks"] == n - 5 + 1
     modes = [("linear", dict(verify_mode="dflash"))] + [(b, dict(verify_mode="ddtree", tree_budget=b)) for b in budgets]
     for key, kw in modes:
-        spec, accepted, _ = run(model, tokenizer, prompt, drafter, block_size=5, max_tokens=n, eos_token_ids=[], **kw)
+        spec, accepted, _ = run(model, tokenizer, prompt, drafter, block_size=5, max_tokens=n, eos_token_ids=[],
+                                copyspec_mode="off", **kw)  # the drafter's acceptance alone
         assert spec == plain
         simulated = sim["linear"] if key == "linear" else sim["tree"][key]
         position, checked = 0, 0
