@@ -334,12 +334,12 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, reply: Reply, job: Job) -> None:
         """Generate the job and answer with `reply`: one JSON body, or server-sent events as the text comes (the
         stream's headers go with its first event: an error before it gets its own status)."""
-        started = False
+        started, first = False, reply.start() if reply.request.stream else []
 
         def send(events: list) -> None:
             nonlocal started
             if not started:
-                events = reply.start() + events
+                events = first + events
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
