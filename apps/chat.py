@@ -72,6 +72,7 @@ def add_parser(sub) -> None:
         "the conversation so far and prints its acceptance summary. 'q' quits, 'r' starts a new conversation.",
     )
     common.add_model_args(p)
+    common.add_copyspec_args(p)
     common.add_sampling_args(p)
     common.add_processor_args(p)
     p.add_argument("--system-prompt", help="a system message opening the conversation")

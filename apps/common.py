@@ -15,6 +15,7 @@ from dflash2_mlx.assets import default_drafter
 from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+from dflash2_mlx.lookup import COPYSPEC_MODES, MODES
 from dflash2_mlx.prompts import SUITES, load_suite
 from dflash2_mlx.omlx_settings import from_omlx
 
@@ -71,6 +72,15 @@ def add_model_args(p) -> None:
     p.add_argument("--prefill-step-size", type=int,
                    help=f"prompt tokens per prefill forward (default {d['prefill_step_size']})")
     p.add_argument("--kernels", choices=["auto", "metal", "mlx"], default="auto", help=KERNELS_HELP)
+
+
+def add_copyspec_args(p) -> None:
+    """Copy drafts (`dflash2_mlx.lookup`): what generate, chat and bench share."""
+    modes = ", ".join(f"{m}: matches of {c.min_match}+ tokens, up to {c.max_draft} copied" for m, c in MODES.items())
+    p.add_argument("--copyspec-mode", choices=COPYSPEC_MODES, default=None,
+                   help="look the continuation of the last tokens up in the context (prompt and answer so far) and "
+                   f"verify it beside the drafter's block in the same target pass ({modes}; off: no lookups; "
+                   "default auto); the output is the same")
 
 
 def generation_defaults() -> dict:
@@ -145,6 +155,8 @@ def apply_omlx_settings(args) -> None:
     args.verify_mode = args.verify_mode or settings.verify_mode
     args.block_size = args.block_size or settings.block_size
     args.max_context = args.max_context or settings.max_context
+    if hasattr(args, "copyspec_mode"):
+        args.copyspec_mode = args.copyspec_mode or settings.copyspec_mode
     args.draft_quant = args.draft_quant or (str(settings.draft_quant) if settings.draft_quant else None)
     for note in settings.notes:
         print(f"[dflash2] oMLX settings: {note}", file=sys.stderr)
@@ -234,6 +246,8 @@ def generation_kwargs(args, vocab_size: int | None = None) -> dict:
         max_context=args.max_context,
         prefill_step_size=args.prefill_step_size,
     )
+    if hasattr(args, "copyspec_mode"):  # the commands that take --copyspec-mode (`add_copyspec_args`)
+        given["copyspec_mode"] = args.copyspec_mode
     defaults = generation_defaults()
     kwargs = {k: defaults[k] if v is None and k in defaults else v for k, v in given.items()}
     return {**kwargs, "logits_processors": logits_processors(args, vocab_size) or None}
@@ -261,6 +275,8 @@ def summary(r) -> str:
     if r.verify_mode == "adaptive":
         histogram = " ".join(f"B{b}:{n}" for b, n in r.block_sizes.items()) or "none"
         parts.append(f"blocks {histogram}, {r.plain_tokens} tokens by plain steps")
+    if r.lookup_cycles:
+        parts.append(f"{r.lookup_tokens} drafts from lookups ({r.lookup_cycles} cycles)")
     if r.draft_failures:
         parts.append(f"{r.draft_failures} cycles fell back to plain decoding (non-finite draft logits)")
     parts += [f"peak {r.peak_memory_gb:.2f} GB", f"finish: {r.finish_reason}"]

@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
         description="Generate text from a target model, speculatively with a DFlash drafter.",
     )
     common.add_model_args(p)
+    common.add_copyspec_args(p)
     p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
     common.add_sampling_args(p)
     common.add_processor_args(p)

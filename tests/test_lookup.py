@@ -221,3 +221,22 @@ def test_the_test_catches_a_lookup_taken_as_sampled(sampling_pairs, monkeypatch)
     counts, _ = sample_with_lookups(bind_drafter(drafter, model), drafter, params, seed=2, n=N_BROKEN)
     stat, critical = chi_square(counts, exact_distribution(model, params), N_BROKEN)
     assert stat > critical, f"a lookup taken as sampled passed: chi2 {stat:.1f} < {critical:.1f}"
+
+
+def test_cli_copyspec_mode(tiny_pair, capsys):
+    """`dflash2 generate --copyspec-mode`: every mode gives plain decoding's tokens, on a prompt that repeats
+    itself; the JSON counts the drafts lookups gave."""
+    import json
+
+    from dflash2_apps.cli import main
+
+    target, drafter = tiny_pair
+    words = " ".join(f"w{i}" for i in (5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 5, 9))
+    common = ["generate", "--model", str(target), "--prompt", words, "--max-tokens", "20", "--json"]
+    assert main(common + ["--verify-mode", "off"]) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    for mode in ("auto", "conservative", "aggressive", "off"):
+        assert main(common + ["--draft-model", str(drafter), "--verify-mode", "dflash", "--copyspec-mode", mode]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["tokens"] == plain, mode
+        assert out["lookup_tokens"] <= sum(out["accepted"]) and (mode != "off" or out["lookup_cycles"] == 0)

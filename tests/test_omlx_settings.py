@@ -109,3 +109,12 @@ def test_max_context_falls_back_and_says_so(tokenizer):
     assert r.verify_mode == "off" and r.cycles == 0
     r = generate(model, tokenizer, list(range(10, 20)), drafter, max_context=16, max_tokens=8, eos_token_ids=[])
     assert r.verify_mode == "adaptive" and r.cycles + r.shadow_probes > 0  # the speculative loop ran
+
+
+@pytest.mark.parametrize("mode", ["auto", "conservative", "aggressive", "off"])
+def test_omlx_copyspec_mode(tmp_path, mode):
+    """dflash-mlx's `copyspec_mode` values are read as `--copyspec-mode`; unset it is the default; others are refused."""
+    assert from_omlx(omlx_file(tmp_path, dflash_enabled=True, copyspec_mode=mode), "my/model").copyspec_mode == mode
+    assert from_omlx(omlx_file(tmp_path, dflash_enabled=True), "my/model").copyspec_mode is None
+    with pytest.raises(ValueError, match="copyspec_mode 'always' of 'my/model' is not one of"):
+        from_omlx(omlx_file(tmp_path, dflash_enabled=True, copyspec_mode="always"), "my/model")
