@@ -1,4 +1,4 @@
-"""`dflash2 serve`: an OpenAI-compatible HTTP server over `stream_cycles` (`dflash2_mlx.server`): its flags,
+"""`dflash2 serve`: an OpenAI- and Anthropic-compatible HTTP server over `stream_cycles` (`dflash2_mlx.server`): its flags,
 its signals (SIGINT ends it with 130, SIGTERM with 0) and, for a target sharded over processes, the other ranks'
 part.
 """
@@ -29,10 +29,10 @@ API_KEY_VARIABLE = "DFLASH2_API_KEY"  # --api-key's default, where the key stays
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
-        help="an OpenAI-compatible HTTP server (chat and text completions, streaming or not)",
-        description="Serve the target, speculatively with a DFlash drafter, over OpenAI's API: POST "
-        "/v1/chat/completions and /v1/completions, GET /v1/models, /health and /metrics. The generation flags are "
-        "the defaults of requests that do not set them.",
+        help="an OpenAI- and Anthropic-compatible HTTP server (chat, completions, messages, responses)",
+        description="Serve the target, speculatively with a DFlash drafter, over OpenAI's and Anthropic's APIs: "
+        "POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/messages, GET /v1/models, /health and "
+        "/metrics. The generation flags are the defaults of requests that do not set them.",
     )
     common.add_model_args(p)
     common.add_sampling_args(p)

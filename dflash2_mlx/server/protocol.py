@@ -407,7 +407,8 @@ def _message_text(i: int, message) -> tuple[str, str]:
 
 def _chat_message(i: int, message) -> dict:
     """A request message as chat templates take it: role and text content, and an assistant's `tool_calls` (their
-    JSON arguments decoded, as mlx_lm.server does), a tool result's `tool_call_id` and `name` when given."""
+    JSON arguments decoded, as mlx_lm.server does) and `reasoning_content`, a tool result's `tool_call_id` and
+    `name` when given."""
     role, content = _message_text(i, message)
     out = {"role": role, "content": content}
     calls = message.get("tool_calls")
