@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ from dflash2_mlx.adaptive import AdaptiveConfig, ShadowBlocks
 from dflash2_mlx.costs import load_or_measure_costs
 from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
+from dflash2_mlx.lookup import COPYSPEC_MODES
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_target
 from dflash2_mlx.prompts import prompts_sha256
@@ -65,20 +67,39 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             from_draft.append(last.from_draft)
         return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
                    len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
-    tokens, accepted, plain_tokens, cycle_s, last = [], [], 0, [], None
+    tokens, accepted, plain_tokens, cycle_s, lookup_tokens, last = [], [], 0, [], 0, None
     mode = "off" if method.kind == "plain" else method.kind
     tree = {"tree_budget": method.tree_budget} if mode == "ddtree" else {}
     tic = time.perf_counter()
     for last in stream_cycles(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
-                              block_size=method.block_size, verify_mode=mode, walk=method.walk, **tree):
+                              block_size=method.block_size, verify_mode=mode, walk=method.walk,
+                              copyspec_mode=method.copyspec, **tree):
         tokens += last.tokens
+        lookup_tokens += last.accepted if last.branch == "lookup" else 0
         if last.accepted is not None:
             accepted.append(last.accepted)
             cycle_s.append(time.perf_counter() - tic)
         plain_tokens += len(last.tokens) if last.block_size == 1 else 0
         tic = time.perf_counter()
     return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens, cycle_s)
+               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens, cycle_s, lookup_tokens)
+
+
+def with_copyspec_modes(methods: list[Method], modes: list[str]) -> list[Method]:
+    """Each of our speculative rows once per --copyspec-modes mode (named "... copy MODE" when there are several,
+    next to each other so the ABBA order runs them back to back)."""
+    bad = [m for m in modes if m not in COPYSPEC_MODES]
+    if bad:
+        raise ValueError(f"--copyspec-modes takes modes from {COPYSPEC_MODES}, comma-separated; got {bad}")
+    out = []
+    for m in methods:
+        if m.drafter is None or m.kind == "peer":
+            out.append(m)
+            continue
+        for mode in modes:
+            suffix = f" copy {mode}" if len(modes) > 1 else ""
+            out.append(replace(m, name=m.name + suffix, label=m.label + suffix, copyspec=mode))
+    return out
 
 
 def accepted_per_cycle(from_draft: list[bool]) -> list[int]:
@@ -131,6 +152,10 @@ def method_row(method: Method, trials: list[list[Run]], baseline_tps: float | No
         "speedup": median / baseline_tps if baseline_tps else None,
         "tau": (sum(accepted) + cycles) / cycles if cycles else None,
         "cycles": cycles,
+        # accepted drafts by where they came from: lookups' continuations (--copyspec-mode) and the drafter
+        "lookup_tokens": sum(r.lookup_tokens for runs in trials for r in runs),
+        "drafter_tokens": sum(accepted) - sum(r.lookup_tokens for runs in trials for r in runs),
+        "copyspec": method.copyspec if method.drafter is not None else None,
         "plain_share": (sum(r.plain_tokens for runs in trials for r in runs)
                         / max(1, sum(len(r.tokens) for runs in trials for r in runs))) if method.kind == "adaptive" else None,
         "acceptance_by_position": acceptance_by_position(accepted, method.block_size) if cycles else [],
@@ -386,10 +411,13 @@ def add_parser(sub) -> None:
     )
     add_bench_model_args(p)
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
-    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
+    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long, copy; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--copyspec-modes", default="auto", metavar="LIST",
+                   help="copy-draft modes our rows run, comma-separated (auto, conservative, aggressive, off; "
+                   "default auto): several give each row once per mode, e.g. auto,off")
     p.add_argument("--block-sizes", help="comma-separated runtime block sizes (default: each drafter's default)")
     p.add_argument("--temp", type=float, action="append", help="temperature (repeatable; default 0)")
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
@@ -454,6 +482,7 @@ def run(args) -> int:
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else None
     budgets = tuple(None if b == "auto" else int(b) for b in args.tree_budgets.split(",")) if args.tree_budgets else ()
     methods = methods_for(drafters, sizes, classic is not None, tuple(args.walk or ("greedy", "viterbi")), budgets)
+    methods = with_copyspec_modes(methods, args.copyspec_modes.split(","))
     peers = PeerEngines()
     try:
         if engines:

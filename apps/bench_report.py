@@ -32,6 +32,7 @@ class Method:
     peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
     note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
     label: str | None = None  # what the report calls it: "DFlash 2 · adaptive", "v1 · B=8" (default: its name)
+    copyspec: str = "auto"  # our rows: --copyspec-mode (copy drafts looked up in the context)
 
     def __post_init__(self):
         self.label = self.label or self.name
@@ -47,6 +48,7 @@ class Run:
     accepted: list[int] = field(default_factory=list)
     plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
     cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
+    lookup_tokens: int = 0  # accepted drafts from lookups' continuations (the rest of `accepted`: the drafter's)
 
 
 # An answer is "in a loop" when at least this share of its n-grams (`repetition_share`) occurred earlier in it:

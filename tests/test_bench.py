@@ -40,7 +40,7 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     target, drafter = tiny_pair
     code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--draft-model", str(tiny_dflash2),
                  "--quick", "--block-sizes", "4,8", "--temp", "0", "--temp", "1", "--json", str(tmp_path / "b.json"),
-                 "--markdown", str(tmp_path / "b.md")])
+                 "--markdown", str(tmp_path / "b.md"), "--copyspec-modes", "off"])  # the drafters' own profiles
     assert code == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["errors"] == []
@@ -558,3 +558,15 @@ def test_published_copy_for_the_peers(tiny_pair, tmp_path):
     block = mx.array([[7] + [5] * 7])
     drafts = [d.propose(block, context, d.make_cache(), SamplingParams()).tokens.tolist() for d in (ours, theirs)]
     assert drafts[0] == drafts[1]
+
+
+def test_copyspec_modes_give_each_of_our_rows_once_per_mode():
+    from dflash2_apps.bench import with_copyspec_modes
+
+    rows = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain"), Method("d adaptive", "adaptive", drafter=object())]
+    assert with_copyspec_modes(rows, ["auto"]) == rows
+    both = with_copyspec_modes(rows, ["auto", "off"])
+    assert [(m.name, m.copyspec) for m in both] == [("mlx-lm", "auto"), ("plain", "auto"),
+                                                    ("d adaptive copy auto", "auto"), ("d adaptive copy off", "off")]
+    with pytest.raises(ValueError, match="--copyspec-modes takes modes from"):
+        with_copyspec_modes(rows, ["auto", "on"])
