@@ -145,7 +145,7 @@ def dflash_steps(
                     first = draft_acceptance(proposal, mx.array(tokens[:1], anchor.dtype), rows[:1], params)[1, 0]
                 produced += a + 1
                 blocks.observe_unverified(first.item(), time.perf_counter() - tic)
-                context = features if match is None else mx.concatenate([context, features])
+                context = features  # the drafter's pass took the context before
                 yield commit(Step(tokens, None if match is None else a, False, 1 if match is None else len(match.tokens) + 1,
                                   logprobs=log_softmax(rows), branch=None if match is None else "lookup"), [context])
                 tic = time.perf_counter()
