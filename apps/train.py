@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from dflash2_mlx.loading import load_target
 from dflash2_mlx import process_group as ranks
+from dflash2_mlx.train.data import ENGINES
 from dflash2_mlx.train.export import write_card
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
@@ -65,6 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--full-selector", action="store_true", help="V x R codebooks instead of factorised ones")
     p.add_argument("--init-from-target", action="store_true",
                    help="start the drafter's layers and final norm as the target's last layers")
+    p.add_argument("--feature-engine", choices=ENGINES, default="auto",
+                   help="what computes the feature cache: PyTorch in bfloat16 where the CPU has avx512_bf16 or AMX "
+                   "and PyTorch is installed (auto; a cache of its own), MLX elsewhere")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="compute the target's features at every step instead of once into the data folder")
     p.set_defaults(run=run)
@@ -74,6 +78,7 @@ def run(args) -> int:
     given = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS.values() if getattr(args, name) is not None}
     settings = TrainSettings(data=args.data, selector_factorized=not args.full_selector,
                              cache_features=not args.no_feature_cache, init_from_target=args.init_from_target,
+                             feature_engine=args.feature_engine,
                              **given)
     peers = None
     if ranks.launched():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
 from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
-from dflash2_mlx.train.torch_engine import cpu_has_fast_bf16, generate_greedy, supported
+from dflash2_mlx.train.features import FeatureCache
+from dflash2_mlx.target import Target
+from dflash2_mlx.train.torch_engine import TorchTarget, cpu_has_fast_bf16, generate_greedy, supported
 from helpers import make_target, slow_except
 
 torch = pytest.importorskip("torch")
@@ -47,6 +50,22 @@ def test_float32_responses_are_mlx_lms_greedy_ones(arch):
         assert got[i] == mlx_greedy(model, prompt, 24, eos), f"prompt {i}"
 
 
+@pytest.mark.parametrize("arch", slow_except(["llama", "qwen2"], "qwen2"))
+def test_float32_sequence_features_are_the_targets(arch):
+    """Whole right-padded sequences: the tapped layers' outputs (the last layer's after the final norm) and the
+    top-k next tokens are `Target.teacher`'s, row for row (float32)."""
+    model = make_target(arch, seed=7)
+    target = Target(model, (0, 2, 3))  # 3 is the last layer: taken after the final norm
+    tokens = np.random.default_rng(2).integers(3, 256, size=(3, 21))
+    want, want_ids, want_logprobs = (np.array(a) for a in target.teacher(mx.array(tokens), 8))
+    got, ids, logprobs = TorchTarget(model, 0, 0, "float32").sequences(tokens, target.layer_ids, 8)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert (ids == want_ids).mean() > 0.99  # near-ties among the 8 may swap
+    np.testing.assert_allclose(np.sort(logprobs, -1), np.sort(want_logprobs, -1), atol=1e-4)
+    first, _, _ = TorchTarget(model, 0, 0, "float32").sequences(tokens[1:2, :9], target.layer_ids)
+    np.testing.assert_allclose(first[0], got[1, :9], rtol=1e-4, atol=1e-4)  # causal: later tokens change nothing
+
+
 @pytest.mark.slow
 def test_bfloat16_responses_mostly_follow_float32():
     """bfloat16 matmuls change near-ties only: the first tokens of most responses agree with float32's."""
@@ -62,6 +81,9 @@ def test_bfloat16_responses_mostly_follow_float32():
 def test_unsupported_targets_and_settings_are_refused(monkeypatch):
     assert supported(make_target("llama")) and not supported(make_target("qwen3"))
     assert not supported(make_target("llama_swa"))
+    quantized = make_target("llama")
+    nn.quantize(quantized, group_size=32, bits=4)
+    assert not supported(quantized)  # packed weights are not PyTorch's
     with pytest.raises(ValueError, match="use --engine mlx"):
         list(generate_greedy(make_target("qwen3"), [[1, 2]], 4, []))
     with pytest.raises(ValueError, match="greedily"):
@@ -89,3 +111,23 @@ def test_a_folder_keeps_its_engine(tmp_path, tokenizer):
     assert len(samples) == 3 and all(len(s.tokens) - s.prompt_len <= 6 for s in samples)
     with pytest.raises(ValueError, match="engine: 'torch' there, 'mlx' here"):
         build(tmp_path / "d", DataSettings(**{**settings.__dict__, "engine": "mlx"}), model, tokenizer, progress=False)
+
+
+def test_the_torch_feature_cache_is_the_targets_in_bfloat16_and_kept_apart(tmp_path, tokenizer):
+    """`FeatureCache(engine="torch")`: rows within bfloat16 rounding of the MLX float32 cache's, in a folder of their
+    own (a run never mixes the two); a target the engine cannot run is refused."""
+    model = make_target("llama", seed=2)
+    settings = DataSettings(target="tiny", num_prompts=4, max_prompt_tokens=400, max_new_tokens=12, batch_size=2)
+    build(tmp_path, settings, model, tokenizer, progress=False)
+    samples = read_shards(tmp_path)
+    target = Target(model, (0, 2, 3))
+    mlx_cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=64)
+    torch_cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=64, engine="torch")
+    assert mlx_cache.folder != torch_cache.folder
+    length = max(len(s.tokens) for s in samples)
+    want = np.array(mlx_cache.context(range(len(samples)), length), np.float32)
+    got = np.array(torch_cache.context(range(len(samples)), length), np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
+    assert np.abs(got - want).max() > 0  # bfloat16's own rows, not the float32 cache read twice
+    with pytest.raises(ValueError, match="use the mlx engine"):
+        FeatureCache(tmp_path, samples, Target(make_target("qwen3", seed=2), (0, 2, 3)), engine="torch")

@@ -7,6 +7,10 @@ target and layer choice (`features-<fingerprint>/`), one set of files per data s
 grows (`dflash2 data` with more prompts) only adds shards, and only those are computed. Filled sample by
 sample in batches of similar length; an interrupted fill resumes where it stopped.
 
+`engine="torch"` computes them with PyTorch in bfloat16 (`torch_engine`), ~10x MLX float32 on a CPU with
+avx512_bf16; its features differ from float32's by bfloat16 rounding, so it keeps a cache of its own
+(`features-<fingerprint>-torch/`).
+
 The top-k part is filled only for a cache that asks for it (`teacher=True`: distillation): on this CPU the
 full-vocabulary head, its log-sum-exp and top-k took a third of the fill's time, for rows most runs never read.
 """
@@ -22,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..target import Target
+from . import torch_engine
 from .data import Sample, padded_tokens
 
 # The target's next-token candidates kept per row for distillation: 8 hold nearly all of a chat model's
@@ -74,15 +79,31 @@ class _ShardFiles:
 
 class FeatureCache:
     """The target's features of `samples` (read with `read_shards`, which says where each sample sits in its
-    shard) and, with `teacher`, its top-k next tokens at every row (`teacher_rows`)."""
+    shard) and, with `teacher`, its top-k next tokens at every row (`teacher_rows`).
+
+    Args:
+        folder: the data folder.
+        samples: the samples, from `read_shards`.
+        target: the target whose features they are.
+        max_batch_tokens (int): padded tokens per forward while filling.
+        teacher (bool): keep the target's top-k next tokens too (distillation).
+        fill (bool): compute what is missing now (else the caller runs `filling`).
+        engine (str): "mlx" or "torch" (see the module's notes).
+    """
 
     def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096,
-                 teacher: bool = False, fill: bool = True):
+                 teacher: bool = False, fill: bool = True, engine: str = "mlx"):
         if any(not s.shard for s in samples):
             raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
-        self.samples, self.teacher = samples, teacher
+        if engine not in ("mlx", "torch"):
+            raise ValueError(f"the feature cache's engine must be 'mlx' or 'torch', got {engine!r}")
+        if engine == "torch" and (target.first_layer or not torch_engine.supported(target.model)):
+            raise ValueError("the torch feature engine runs whole llama or qwen2 targets with full attention: "
+                             "use the mlx engine")
+        self.samples, self.teacher, self.engine = samples, teacher, engine
         self.width = len(target.layer_ids) * target.hidden_size
-        self.folder = Path(folder) / f"features-{target.fingerprint()}"
+        suffix = "-torch" if engine == "torch" else ""
+        self.folder = Path(folder) / f"features-{target.fingerprint()}{suffix}"
         self.folder.mkdir(parents=True, exist_ok=True)
         rows = defaultdict(int)
         for s in samples:
@@ -108,6 +129,8 @@ class FeatureCache:
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        compute = self._torch_compute(target) if self.engine == "torch" else self._mlx_compute(target)
+
         with Progress(TextColumn("[bold]features"), BarColumn(), TextColumn("{task.completed}/{task.total} samples"),
                       TimeRemainingColumn()) as bar:
             task = bar.add_task("features", total=len(self.samples), completed=len(self.samples) - len(todo))
@@ -116,12 +139,9 @@ class FeatureCache:
                 batch = todo[: max(1, max_batch_tokens // length)]
                 batch = [s for s in batch if len(s.tokens) <= 2 * length] or batch[:1]
                 todo = todo[len(batch):]
-                tokens = mx.array(padded_tokens(batch, range(len(batch))))
-                features, ids, logprobs = target.teacher(tokens, TEACHER_TOP_K if self.teacher else 0)
-                features = np.array(features.astype(mx.float32))
+                features, ids, logprobs = compute(padded_tokens(batch, range(len(batch))))
                 if not np.isfinite(features).all() or np.abs(features).max() > 6e4:
                     raise ValueError("target features overflow float16; train without the feature cache")
-                ids, logprobs = np.array(ids), np.array(logprobs)
                 by_shard = defaultdict(list)
                 for row, s in enumerate(batch):
                     n, files = len(s.tokens), self.shards[s.shard]
@@ -134,6 +154,20 @@ class FeatureCache:
                     self.shards[shard].mark_done(starts, self.teacher)
                 bar.update(task, advance=len(batch))
                 yield
+
+    def _mlx_compute(self, target: Target):
+        top_k = TEACHER_TOP_K if self.teacher else 0
+
+        def compute(tokens: np.ndarray):
+            features, ids, logprobs = target.teacher(mx.array(tokens), top_k)
+            return np.array(features.astype(mx.float32)), np.array(ids), np.array(logprobs)
+
+        return compute
+
+    def _torch_compute(self, target: Target):
+        engine = torch_engine.TorchTarget(target.model, slots=0, max_len=0)
+        top_k = TEACHER_TOP_K if self.teacher else 0
+        return lambda tokens: engine.sequences(tokens, list(target.layer_ids), top_k)
 
     def context(self, picked, length: int) -> mx.array:
         """Features of samples `picked`, right-padded with zeros to `length` rows: [S, length, k*D]."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+from mlx.utils import tree_flatten
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -54,9 +55,11 @@ def torch_available() -> bool:
 
 
 def supported(model) -> bool:
-    """Whether `TorchTarget` runs this mlx-lm model: llama or qwen2, full attention, plain RoPE."""
+    """Whether `TorchTarget` runs this mlx-lm model: llama or qwen2, full attention, plain RoPE, not quantized."""
     args = getattr(model, "args", None)
-    return (getattr(args, "model_type", None) in ARCHITECTURES and not getattr(args, "rope_scaling", None)
+    quantized = any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
+    return (getattr(args, "model_type", None) in ARCHITECTURES and not quantized
+            and not getattr(args, "rope_scaling", None)
             and not getattr(args, "sliding_window", None)
             and all(t == "full_attention" for t in getattr(args, "layer_types", None) or []))
 
@@ -128,6 +131,25 @@ class TorchTarget:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
         return (scores.view(n, self.kv_heads, group * s, -1) @ values).view(n, self.heads, s, d)
 
+    def _layer(self, i: int, x, positions, context):
+        """Decoder layer `i` on x [N, S, D] at `positions` [N, S]; `context(i, k, v)` gives the keys, values and
+        mask [N, 1, S, L] the queries attend to, given the rows' own keys and values [N, Hkv, S, d]."""
+        F = self.torch.nn.functional
+        ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w = self.layers[i]
+        n, s, _ = x.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h = F.linear(self._rms(x, ln1).to(qkv_w.dtype), qkv_w).float()
+        if qkv_b is not None:
+            h = h + qkv_b
+        q = h[..., :q_size].view(n, s, self.heads, self.head_dim).transpose(1, 2)
+        k = h[..., q_size : q_size + kv_size].view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = h[..., q_size + kv_size :].view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        a = self._attend(q, *context(i, k, v))
+        x = x + F.linear(a.transpose(1, 2).reshape(n, s, q_size).to(o_w.dtype), o_w).float()
+        gate, up = F.linear(self._rms(x, ln2).to(gate_up_w.dtype), gate_up_w).float().chunk(2, -1)
+        return x + F.linear((F.silu(gate) * up).to(down_w.dtype), down_w).float()
+
     def forward(self, tokens, positions, slots, length: int):
         """Next-token logits after `tokens`, writing their keys and values into the cache.
 
@@ -140,29 +162,55 @@ class TorchTarget:
         """
         torch, F = self.torch, self.torch.nn.functional
         n, s = tokens.shape
-        x = self.embed[tokens]
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         mask = torch.arange(length)[None, None, None, :] <= positions[:, None, :, None]
         rows = slots[:, None].expand(n, s)
         leading = bool((slots == torch.arange(n)).all())  # the first n slots: read the cache as a view
-        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
-            h = F.linear(self._rms(x, ln1).to(qkv_w.dtype), qkv_w).float()
-            if qkv_b is not None:
-                h = h + qkv_b
-            q = h[..., :q_size].view(n, s, self.heads, self.head_dim).transpose(1, 2)
-            k = h[..., q_size : q_size + kv_size].view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = h[..., q_size + kv_size :].view(n, s, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rope(q, positions), self._rope(k, positions)
+
+        def cached(i, k, v):
             self.keys[i][rows, :, positions] = k.transpose(1, 2)
             self.values[i][rows, :, positions] = v.transpose(1, 2)
-            keys, values = (self.keys[i][:n, :, :length], self.values[i][:n, :, :length]) if leading else (
-                self.keys[i][slots, :, :length], self.values[i][slots, :, :length])
-            a = self._attend(q, keys, values, mask)
-            x = x + F.linear(a.transpose(1, 2).reshape(n, s, q_size).to(o_w.dtype), o_w).float()
-            gate, up = F.linear(self._rms(x, ln2).to(gate_up_w.dtype), gate_up_w).float().chunk(2, -1)
-            x = x + F.linear((F.silu(gate) * up).to(down_w.dtype), down_w).float()
+            if leading:
+                return self.keys[i][:n, :, :length], self.values[i][:n, :, :length], mask
+            return self.keys[i][slots, :, :length], self.values[i][slots, :, :length], mask
+
+        x = self.embed[tokens]
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, positions, cached)
         last = self._rms(x[:, -1], self.norm).to(self.head.dtype)
         return F.linear(last, self.head).float()
+
+    def sequences(self, tokens: np.ndarray, layer_ids, top_k: int = 0):
+        """What training learns from whole right-padded sequences, as `Target.teacher` computes it.
+
+        Args:
+            tokens: [S, L] token ids.
+            layer_ids: the layers whose outputs are the features, in the drafter's order (the last layer's
+                after the final norm, as Hugging Face's hidden states).
+            top_k (int): next-token candidates per row (0: none, and the output head is not run).
+        Returns: features [S, L, k*D] float32, and the ids [S, L, top_k] int32 and log-probabilities float32 of
+        the target's top_k next tokens (descending).
+        """
+        torch, F = self.torch, self.torch.nn.functional
+        torch.set_grad_enabled(False)
+        tokens = torch.from_numpy(np.asarray(tokens, np.int64))
+        s, length = tokens.shape
+        positions = torch.arange(length)[None].expand(s, length)
+        causal = (torch.arange(length)[None, :] <= torch.arange(length)[:, None])[None, None]
+        last = len(self.layers) - 1
+        needed = last if top_k else max(layer_ids)
+        outputs, x = {}, self.embed[tokens]
+        for i in range(needed + 1):
+            x = self._layer(i, x, positions, lambda i, k, v: (k, v, causal))
+            if i in layer_ids:
+                outputs[i] = self._rms(x, self.norm) if i == last else x
+        features = torch.cat([outputs[i] for i in layer_ids], -1).numpy()
+        if not top_k:
+            empty = np.zeros((s, length, 0), np.float32)
+            return features, empty.astype(np.int32), empty
+        logits = F.linear(self._rms(x, self.norm).to(self.head.dtype), self.head).float()
+        values, ids = logits.topk(top_k, -1)
+        logprobs = values - logits.logsumexp(-1, keepdim=True)
+        return features, ids.int().numpy(), logprobs.numpy()
 
 
 def generate_greedy(

@@ -43,6 +43,7 @@ from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
 from ..target import Target
 from .batches import Batch, loss_vocabulary, make_batch, share
+from .data import pick_engine
 from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
@@ -194,10 +195,12 @@ class Trainer:
         settings = self.settings
         self.caches = {}
         if settings.cache_features:
+            self.feature_engine = pick_engine(settings.feature_engine, 0.0, self.target.model)
             splits = {"train": (self.train_samples, bool(settings.distill)), "heldout": (self.heldout, False)}
             if self.peers:
                 self._fill_together(splits)
-            self.caches = {name: FeatureCache(settings.data, samples, self.target, teacher=teacher)
+            self.caches = {name: FeatureCache(settings.data, samples, self.target, teacher=teacher,
+                                              engine=self.feature_engine)
                            for name, (samples, teacher) in splits.items()}
         self.feature_scale = mx.array(self._feature_scale())
 
@@ -212,7 +215,8 @@ class Trainer:
 
         def work(part: str, keep):
             for name, (samples, teacher) in splits.items():  # one after the other: they share the shards' marks
-                cache = FeatureCache(data, [s for s in samples if keep(s)], self.target, teacher=teacher, fill=False)
+                cache = FeatureCache(data, [s for s in samples if keep(s)], self.target, teacher=teacher, fill=False,
+                                     engine=self.feature_engine)
                 todo = cache.missing()
                 if todo:
                     logger.info("rank %d: the features of %d %s samples (%s: %s)", peers.rank, len(todo), name, part,
