@@ -29,8 +29,16 @@ from mlx_lm.sample_utils import make_sampler
 from rich.progress import Progress
 
 from dflash2_apps import replay, tree_sim
-from dflash2_apps.bench_report import (Method, Run, adaptive_summary, per_prompt_rows, render, report_console,
-                                       report_context, report_json)
+from dflash2_apps.bench_report import (
+    Method,
+    Run,
+    adaptive_summary,
+    per_prompt_rows,
+    render,
+    report_console,
+    report_context,
+    report_json,
+)
 from dflash2_apps.common import add_bench_model_args, bench_prompts, command_line, load_bench_models, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
 from dflash2_apps.peer_engines import PeerError, PeerEngines, check_python, parse_engines
@@ -48,16 +56,25 @@ from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 
 
-def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float,
-               classic_draft=None) -> Run:
+def run_method(
+    method: Method, model, tokenizer, prompt: list[int], max_tokens: int, temp: float, classic_draft=None
+) -> Run:
     """One generation; tokens exclude EOS so every method is compared on the same footing."""
     eos = set(tokenizer.eos_token_ids)
     if method.kind == "peer":
         seed = int(mx.random.randint(0, 1 << 30, ()).item())  # follows the trial's seed, as ours do
-        r = method.peer.request(op="run", prompt=prompt, max_tokens=max_tokens, temp=temp,
-                                block_size=method.block_size, seed=seed)
-        return Run([t for t in r["tokens"] if t not in eos], r["generation_tps"], r["prompt_tps"],
-                   len(prompt) / r["prompt_tps"], r["peak_memory_gb"], r["accepted"], cycle_s=r["cycle_s"])
+        r = method.peer.request(
+            op="run", prompt=prompt, max_tokens=max_tokens, temp=temp, block_size=method.block_size, seed=seed
+        )
+        return Run(
+            [t for t in r["tokens"] if t not in eos],
+            r["generation_tps"],
+            r["prompt_tps"],
+            len(prompt) / r["prompt_tps"],
+            r["peak_memory_gb"],
+            r["accepted"],
+            cycle_s=r["cycle_s"],
+        )
     if method.kind in ("mlx-lm", "mlx-lm-spec"):
         spec = method.kind == "mlx-lm-spec"
         kwargs = {"draft_model": classic_draft, "num_draft_tokens": method.block_size - 1} if spec else {}
@@ -65,15 +82,31 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
         for last in mlx_stream(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp), **kwargs):
             tokens.append(last.token)
             from_draft.append(last.from_draft)
-        return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-                   len(prompt) / last.prompt_tps, last.peak_memory, accepted_per_cycle(from_draft) if spec else [])
+        return Run(
+            [t for t in tokens if t not in eos],
+            last.generation_tps,
+            last.prompt_tps,
+            len(prompt) / last.prompt_tps,
+            last.peak_memory,
+            accepted_per_cycle(from_draft) if spec else [],
+        )
     tokens, accepted, plain_tokens, cycle_s, lookup_tokens, last = [], [], 0, [], 0, None
     mode = "off" if method.kind == "plain" else method.kind
     tree = {"tree_budget": method.tree_budget} if mode == "ddtree" else {}
     tic = time.perf_counter()
-    for last in stream_cycles(model, tokenizer, prompt, method.drafter, max_tokens=max_tokens, temp=temp,
-                              block_size=method.block_size, verify_mode=mode, walk=method.walk,
-                              copyspec_mode=method.copyspec, **tree):
+    for last in stream_cycles(
+        model,
+        tokenizer,
+        prompt,
+        method.drafter,
+        max_tokens=max_tokens,
+        temp=temp,
+        block_size=method.block_size,
+        verify_mode=mode,
+        walk=method.walk,
+        copyspec_mode=method.copyspec,
+        **tree,
+    ):
         tokens += last.tokens
         lookup_tokens += last.accepted if last.branch == "lookup" else 0
         if last.accepted is not None:
@@ -81,8 +114,17 @@ def run_method(method: Method, model, tokenizer, prompt: list[int], max_tokens: 
             cycle_s.append(time.perf_counter() - tic)
         plain_tokens += len(last.tokens) if last.block_size == 1 else 0
         tic = time.perf_counter()
-    return Run([t for t in tokens if t not in eos], last.generation_tps, last.prompt_tps,
-               len(prompt) / last.prompt_tps, last.peak_memory, accepted, plain_tokens, cycle_s, lookup_tokens)
+    return Run(
+        [t for t in tokens if t not in eos],
+        last.generation_tps,
+        last.prompt_tps,
+        len(prompt) / last.prompt_tps,
+        last.peak_memory,
+        accepted,
+        plain_tokens,
+        cycle_s,
+        lookup_tokens,
+    )
 
 
 def with_copyspec_modes(methods: list[Method], modes: list[str]) -> list[Method]:
@@ -156,8 +198,12 @@ def method_row(method: Method, trials: list[list[Run]], baseline_tps: float | No
         "lookup_tokens": sum(r.lookup_tokens for runs in trials for r in runs),
         "drafter_tokens": sum(accepted) - sum(r.lookup_tokens for runs in trials for r in runs),
         "copyspec": method.copyspec if method.drafter is not None else None,
-        "plain_share": (sum(r.plain_tokens for runs in trials for r in runs)
-                        / max(1, sum(len(r.tokens) for runs in trials for r in runs))) if method.kind == "adaptive" else None,
+        "plain_share": (
+            sum(r.plain_tokens for runs in trials for r in runs)
+            / max(1, sum(len(r.tokens) for runs in trials for r in runs))
+        )
+        if method.kind == "adaptive"
+        else None,
         "acceptance_by_position": acceptance_by_position(accepted, method.block_size) if cycles else [],
         "prompt_tps_median": statistics.median(r.prompt_tps for runs in trials for r in runs),
         "ttft_s_median": statistics.median(r.ttft_s for runs in trials for r in runs),
@@ -165,18 +211,40 @@ def method_row(method: Method, trials: list[list[Run]], baseline_tps: float | No
         "token_sha256": token_hash(trials[0]),
         # the median cycle: a cycle stalled by another process on a shared machine does not move it
         "cycle_ms": 1000 * statistics.median(t for runs in trials for r in runs for t in r.cycle_s)
-        if cycles and method.kind in ("dflash", "peer") else None,
+        if cycles and method.kind in ("dflash", "peer")
+        else None,
         "note": method.note,
     }
 
 
 def unavailable_row(method: Method) -> dict:
     """The row of a peer that cannot run: its reason, no numbers."""
-    keys = ("generation_tps_median", "generation_tps_min", "generation_tps_max", "speedup", "tau", "plain_share",
-            "prompt_tps_median", "ttft_s_median", "peak_memory_gb", "token_sha256", "cycle_ms", "lossless")
-    return {"method": method.name, "label": method.label, "kind": method.kind, "drafter": method.drafter_label,
-            "block_size": method.block_size, "walk": method.walk, "cycles": 0, "acceptance_by_position": [],
-            "note": method.note, **dict.fromkeys(keys)}
+    keys = (
+        "generation_tps_median",
+        "generation_tps_min",
+        "generation_tps_max",
+        "speedup",
+        "tau",
+        "plain_share",
+        "prompt_tps_median",
+        "ttft_s_median",
+        "peak_memory_gb",
+        "token_sha256",
+        "cycle_ms",
+        "lossless",
+    )
+    return {
+        "method": method.name,
+        "label": method.label,
+        "kind": method.kind,
+        "drafter": method.drafter_label,
+        "block_size": method.block_size,
+        "walk": method.walk,
+        "cycles": 0,
+        "acceptance_by_position": [],
+        "note": method.note,
+        **dict.fromkeys(keys),
+    }
 
 
 def cost_curves(model, methods: list[Method]) -> list[dict]:
@@ -192,10 +260,16 @@ def cost_curves(model, methods: list[Method]) -> list[dict]:
         target = bind_drafter(m.drafter, model)
         costs = load_or_measure_costs(target, m.drafter, m.block_size, TREE_BUDGET_MAX + 1 if tree else None)
         step = costs.verify_s[0]
-        curves.append({"drafter": m.drafter_label, "step_s": step, "block_size": m.block_size,
-                       "verify_steps": [s / step for s in costs.verify_s],
-                       "draft_steps": [s / step for s in costs.draft_s],
-                       "tree_budget": default_budget(costs, m.block_size) if tree else None})
+        curves.append(
+            {
+                "drafter": m.drafter_label,
+                "step_s": step,
+                "block_size": m.block_size,
+                "verify_steps": [s / step for s in costs.verify_s],
+                "draft_steps": [s / step for s in costs.draft_s],
+                "tree_budget": default_budget(costs, m.block_size) if tree else None,
+            }
+        )
     return curves
 
 
@@ -243,8 +317,17 @@ def add_cycle_parts(row: dict, parts: list[tuple[float, float]]) -> None:
     row["overhead_ms"] = row["cycle_ms"] - row["draft_ms"] - row["verify_ms"] if parts and row["cycle_ms"] else None
 
 
-def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max_tokens: int, trials: int,
-          temps: list[float], classic_draft=None, progress: bool = True) -> dict:
+def bench(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    methods: list[Method],
+    max_tokens: int,
+    trials: int,
+    temps: list[float],
+    classic_draft=None,
+    progress: bool = True,
+) -> dict:
     def attempt(m: Method, run, *args):
         """run(m, *args), except that a peer failing makes its method a row that says why."""
         if m.kind == "peer" and m.peer is None:
@@ -271,7 +354,9 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
                 for i, p in enumerate(prompts):
                     for m in methods if (trial + i) % 2 else methods[::-1]:  # ABBA: see the module's docstring
                         mx.random.seed(trial)
-                        runs[m.name][-1][i] = attempt(m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft)
+                        runs[m.name][-1][i] = attempt(
+                            m, run_method, model, tokenizer, p, max_tokens, temp, classic_draft
+                        )
                         bar.advance(task)
                 if temp == temps[0]:  # greedy timings of each method's passes, right after the trial's runs
                     for m in methods:
@@ -298,15 +383,25 @@ def bench(model, tokenizer, prompts: list[list[int]], methods: list[Method], max
             summary += adaptive_summary(methods, runs, rows)
             if temp > 0:
                 calibration += shadow_calibration(model, tokenizer, prompts, methods, results, max_tokens, temp)
-    errors = [f"{r['method']} at T=0 produced different tokens than {methods[0].name}" for r in results
-              if r["lossless"] is False]
-    return {"results": results, "per_prompt": per_prompt, "adaptive_summary": summary,
-            "shadow_calibration": calibration, "sample_output": sample, "costs": cost_curves(model, methods),
-            "errors": errors}
+    errors = [
+        f"{r['method']} at T=0 produced different tokens than {methods[0].name}"
+        for r in results
+        if r["lossless"] is False
+    ]
+    return {
+        "results": results,
+        "per_prompt": per_prompt,
+        "adaptive_summary": summary,
+        "shadow_calibration": calibration,
+        "sample_output": sample,
+        "costs": cost_curves(model, methods),
+        "errors": errors,
+    }
 
 
-def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict],
-                       max_tokens: int, temp: float) -> list[dict]:
+def shadow_calibration(
+    model, tokenizer, prompts: list[list[int]], methods: list[Method], results: list[dict], max_tokens: int, temp: float
+) -> list[dict]:
     """At T > 0, per drafter: the tau that adaptive mode's shadow probes expect at each fixed block size
     (1 + the mean over probes of sum_i P(drafts 1..i accepted)), from plain decoding with a probe before every
     block_max steps on the same prompts, against the tau the fixed-block rows measured. The probes (like adaptive
@@ -314,8 +409,15 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
     are the same drafter pass, below it the row also shows what the larger block's drafts are worth."""
     eos, rows = set(tokenizer.eos_token_ids), []
     for label, drafter in {m.drafter_label: m.drafter for m in methods if m.kind == "adaptive"}.items():
-        measured = {r["block_size"]: r["tau"] for r in results if r["kind"] == "dflash" and r["drafter"] == label
-                    and r["temperature"] == temp and r["walk"] == "greedy" and r["tau"]}
+        measured = {
+            r["block_size"]: r["tau"]
+            for r in results
+            if r["kind"] == "dflash"
+            and r["drafter"] == label
+            and r["temperature"] == temp
+            and r["walk"] == "greedy"
+            and r["tau"]
+        }
         if not measured:
             continue
         target, block_max = bind_drafter(drafter, model), drafter.config.block_size
@@ -323,8 +425,14 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
         chains = []
         for seed, prompt in enumerate(prompts, 1):
             mx.random.seed(seed)
-            steps = dflash_steps(target, drafter, mx.array(prompt, mx.uint32), SamplingParams(temperature=temp),
-                                 ShadowBlocks(costs, AdaptiveConfig(block_max)), max_tokens)
+            steps = dflash_steps(
+                target,
+                drafter,
+                mx.array(prompt, mx.uint32),
+                SamplingParams(temperature=temp),
+                ShadowBlocks(costs, AdaptiveConfig(block_max)),
+                max_tokens,
+            )
             produced = 0
             for step in steps:
                 chains += [step.shadow] if step.shadow is not None else []
@@ -335,15 +443,28 @@ def shadow_calibration(model, tokenizer, prompts: list[list[int]], methods: list
         for B, tau in sorted(measured.items()):
             whole = [c for c in chains if len(c) >= B - 1]
             expected = 1 + sum(sum(c[: B - 1]) for c in whole) / len(whole) if whole else None
-            rows.append({"temperature": temp, "drafter": label, "block_size": B, "probe_block": block_max,
-                         "probes": len(whole),
-                         "expected_tau": expected, "measured_tau": tau,
-                         "relative": expected / tau - 1 if expected else None})
+            rows.append(
+                {
+                    "temperature": temp,
+                    "drafter": label,
+                    "block_size": B,
+                    "probe_block": block_max,
+                    "probes": len(whole),
+                    "expected_tau": expected,
+                    "measured_tau": tau,
+                    "relative": expected / tau - 1 if expected else None,
+                }
+            )
     return rows
 
 
-def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | None, classic: bool,
-                walks: tuple[str, ...] = ("greedy", "viterbi"), tree_budgets: tuple[int | None, ...] = ()) -> list[Method]:
+def methods_for(
+    drafters: list[tuple[str, object]],
+    block_sizes: list[int] | None,
+    classic: bool,
+    walks: tuple[str, ...] = ("greedy", "viterbi"),
+    tree_budgets: tuple[int | None, ...] = (),
+) -> list[Method]:
     """The bench's rows: mlx-lm, plain decoding, and per drafter adaptive mode, each fixed block (each walk of a
     DFlash 2 drafter) and each tree budget; mlx-lm's classic speculative decoding with a `classic` draft model.
     Each is named by its drafter's label (the JSON's "method") and labelled by its drafter's kind for the report
@@ -351,20 +472,46 @@ def methods_for(drafters: list[tuple[str, object]], block_sizes: list[int] | Non
     names = drafter_names(drafters)
     methods = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain")]
     for label, drafter in drafters:
-        methods.append(Method(f"{label} adaptive", "adaptive", drafter, drafter.config.block_size, "greedy", label,
-                              label=f"{names[label]} · adaptive"))
+        methods.append(
+            Method(
+                f"{label} adaptive",
+                "adaptive",
+                drafter,
+                drafter.config.block_size,
+                "greedy",
+                label,
+                label=f"{names[label]} · adaptive",
+            )
+        )
         for B in fixed_block_sizes(drafter, block_sizes):
             for walk in walks if len(drafter.walks) > 1 else drafter.walks:
                 which = f"B={B}" + (f" {walk}" if len(drafter.walks) > 1 else "")
-                methods.append(Method(f"{label} {which}", "dflash", drafter, B, walk, label,
-                                      label=f"{names[label]} · {which}"))
+                methods.append(
+                    Method(f"{label} {which}", "dflash", drafter, B, walk, label, label=f"{names[label]} · {which}")
+                )
             for budget in tree_budgets:  # trees as deep as the linear rows' blocks, for a like-for-like tau
-                methods.append(Method(f"{label} B={B} ddtree {budget or 'auto'}", "ddtree", drafter, B, "greedy", label,
-                                      tree_budget=budget, label=f"{names[label]} · B={B} tree {budget or 'auto'}"))
+                methods.append(
+                    Method(
+                        f"{label} B={B} ddtree {budget or 'auto'}",
+                        "ddtree",
+                        drafter,
+                        B,
+                        "greedy",
+                        label,
+                        tree_budget=budget,
+                        label=f"{names[label]} · B={B} tree {budget or 'auto'}",
+                    )
+                )
     if classic:
         for B in block_sizes or [4]:
-            methods.append(Method(f"mlx-lm speculative k={B - 1}", "mlx-lm-spec", block_size=B,
-                                  label=f"mlx-lm · speculative k={B - 1}"))
+            methods.append(
+                Method(
+                    f"mlx-lm speculative k={B - 1}",
+                    "mlx-lm-spec",
+                    block_size=B,
+                    label=f"mlx-lm · speculative k={B - 1}",
+                )
+            )
     return methods
 
 
@@ -376,8 +523,10 @@ def drafter_names(drafters: list[tuple[str, object]]) -> dict[str, str]:
     """The name each drafter goes by on the report, by its label: its kind ("v1", "DFlash 2"), numbered where
     several share one ("DFlash 2 (1)", "DFlash 2 (2)"); the report's header gives each name's drafter once."""
     kinds = [DRAFTER_KINDS.get(drafter.kind, drafter.kind) for _, drafter in drafters]
-    return {label: kind + (f" ({kinds[:i + 1].count(kind)})" if kinds.count(kind) > 1 else "")
-            for i, ((label, _), kind) in enumerate(zip(drafters, kinds))}
+    return {
+        label: kind + (f" ({kinds[: i + 1].count(kind)})" if kinds.count(kind) > 1 else "")
+        for i, ((label, _), kind) in enumerate(zip(drafters, kinds))
+    }
 
 
 def fixed_block_sizes(drafter, block_sizes: list[int] | None) -> list[int]:
@@ -392,9 +541,19 @@ def peer_methods(peers: list, drafters: list[tuple[str, object]], block_sizes: l
     for peer in peers:
         drafter = dict(drafters)[peer.drafter_label]
         for B in fixed_block_sizes(drafter, block_sizes):
-            methods.append(Method(f"{peer.engine} {peer.drafter_label} B={B}", "peer", drafter, B, "greedy",
-                                  peer.drafter_label, peer=peer.worker, note=peer.note,
-                                  label=f"{peer.engine} · {names[peer.drafter_label]} · B={B}"))
+            methods.append(
+                Method(
+                    f"{peer.engine} {peer.drafter_label} B={B}",
+                    "peer",
+                    drafter,
+                    B,
+                    "greedy",
+                    peer.drafter_label,
+                    peer=peer.worker,
+                    note=peer.note,
+                    label=f"{peer.engine} · {names[peer.drafter_label]} · B={B}",
+                )
+            )
     return methods
 
 
@@ -411,52 +570,93 @@ def add_parser(sub) -> None:
     )
     add_bench_model_args(p)
     p.add_argument("--baseline-draft-model", help="a classic draft model for mlx-lm's speculative decoding")
-    p.add_argument("--prompts", default="math", help="suites (code, chat, math, long, copy; comma-separated) or a JSONL file")
+    p.add_argument(
+        "--prompts", default="math", help="suites (code, chat, math, long, copy; comma-separated) or a JSONL file"
+    )
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--copyspec-modes", default="auto", metavar="LIST",
-                   help="copy-draft modes our rows run, comma-separated (auto, conservative, aggressive, off; "
-                   "default auto): several give each row once per mode, e.g. auto,off")
+    p.add_argument(
+        "--copyspec-modes",
+        default="auto",
+        metavar="LIST",
+        help="copy-draft modes our rows run, comma-separated (auto, conservative, aggressive, off; "
+        "default auto): several give each row once per mode, e.g. auto,off",
+    )
     p.add_argument("--block-sizes", help="comma-separated runtime block sizes (default: each drafter's default)")
     p.add_argument("--temp", type=float, action="append", help="temperature (repeatable; default 0)")
     p.add_argument("--json", metavar="OUT", help="write everything machine-readable here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
-    p.add_argument("--walk", action="append", choices=["greedy", "viterbi"],
-                   help="DFlash 2 path walks to bench (repeatable; default both)")
+    p.add_argument(
+        "--walk",
+        action="append",
+        choices=["greedy", "viterbi"],
+        help="DFlash 2 path walks to bench (repeatable; default both)",
+    )
     p.add_argument("--quick", action="store_true", help="1 trial, 2 prompts, 24 tokens: a smoke run")
-    p.add_argument("--wide", action="store_true",
-                   help="every column on the terminal (default: method, tok/s, vs mlx-lm, tau, lossless; the markdown "
-                   "and the JSON have them all)")
-    p.add_argument("--compare", metavar="FILE",
-                   help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
-                   "SGLang responses (JSONL), or 'published'")
-    p.add_argument("--tree-sim", metavar="DATA",
-                   help="runs `dflash2 tree-sim DATA` (teacher-forced tau of the linear path and of ddtree trees per "
-                   "budget, no timing) with the flags given here")
-    p.add_argument("--tree-budgets",
-                   help="comma-separated tree budgets: a ddtree row per budget (at each block size; 'auto': the "
-                   "default budget from this machine's costs), or the columns of --tree-sim (default there: "
-                   "1,2,4,8,16,32)")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column on the terminal (default: method, tok/s, vs mlx-lm, tau, lossless; the markdown "
+        "and the JSON have them all)",
+    )
+    p.add_argument(
+        "--compare",
+        metavar="FILE",
+        help="CUDA-side results to show beside ours: a dflash2-compare/1 JSON, a z-lab benchmark log, "
+        "SGLang responses (JSONL), or 'published'",
+    )
+    p.add_argument(
+        "--tree-sim",
+        metavar="DATA",
+        help="runs `dflash2 tree-sim DATA` (teacher-forced tau of the linear path and of ddtree trees per "
+        "budget, no timing) with the flags given here",
+    )
+    p.add_argument(
+        "--tree-budgets",
+        help="comma-separated tree budgets: a ddtree row per budget (at each block size; 'auto': the "
+        "default budget from this machine's costs), or the columns of --tree-sim (default there: "
+        "1,2,4,8,16,32)",
+    )
     p.add_argument("--tree-sim-samples", type=int, default=8, help="held-out samples --tree-sim reads")
-    p.add_argument("--replay", action="store_true",
-                   help="runs `dflash2 replay` (plain steps, fixed blocks and adaptive mode replayed on recorded "
-                   "drafts, timed on a cost curve) with the flags given here")
-    p.add_argument("--replay-traces", metavar="FILE",
-                   help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
-    p.add_argument("--costs", metavar="FILE",
-                   help="with --replay: replay on the cost curve in this JSON file instead of this machine's (a costs "
-                   "cache such as ~/.cache/dflash2/costs.json, one {\"verify_s\": [...], \"draft_s\": [...]} "
-                   "object, or a replay report's \"costs\")")
-    p.add_argument("--replay-jitter", type=int, default=0, metavar="N",
-                   help="with --replay: also replay on N cost curves within +-3%% of the measured one and report "
-                   "adaptive mode averaged over them (a single curve's decisions swing by several percent)")
-    p.add_argument("--engines", metavar="LIST",
-                   help="peer engines to add rows for, each in its own process with the same target, drafters and "
-                   "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated")
-    p.add_argument("--peer-python", metavar="PYTHON",
-                   help="the interpreter the peer engines are installed in (default: this one), e.g. a venv's "
-                   "bin/python, so their pinned dependencies stay out of this environment")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="runs `dflash2 replay` (plain steps, fixed blocks and adaptive mode replayed on recorded "
+        "drafts, timed on a cost curve) with the flags given here",
+    )
+    p.add_argument(
+        "--replay-traces",
+        metavar="FILE",
+        help="keep the recorded answers and proposals here (JSON) and reuse them when they match",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        help="with --replay: replay on the cost curve in this JSON file instead of this machine's (a costs "
+        'cache such as ~/.cache/dflash2/costs.json, one {"verify_s": [...], "draft_s": [...]} '
+        'object, or a replay report\'s "costs")',
+    )
+    p.add_argument(
+        "--replay-jitter",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --replay: also replay on N cost curves within +-3%% of the measured one and report "
+        "adaptive mode averaged over them (a single curve's decisions swing by several percent)",
+    )
+    p.add_argument(
+        "--engines",
+        metavar="LIST",
+        help="peer engines to add rows for, each in its own process with the same target, drafters and "
+        "prompts: dflash (the authors' reference), dflash-mlx (oMLX's engine); comma-separated",
+    )
+    p.add_argument(
+        "--peer-python",
+        metavar="PYTHON",
+        help="the interpreter the peer engines are installed in (default: this one), e.g. a venv's "
+        "bin/python, so their pinned dependencies stay out of this environment",
+    )
     p.set_defaults(run=run)
 
 
@@ -486,8 +686,14 @@ def run(args) -> int:
     peers = PeerEngines()
     try:
         if engines:
-            started = peers.start(engines, peer_python, args.model, args.dtype, model,
-                                  [(label, d, src) for (label, d), src in zip(drafters, sources)])
+            started = peers.start(
+                engines,
+                peer_python,
+                args.model,
+                args.dtype,
+                model,
+                [(label, d, src) for (label, d), src in zip(drafters, sources)],
+            )
             methods += peer_methods(started, drafters, sizes)
         report = bench(model, tokenizer, prompts, methods, args.max_tokens, args.trials, args.temp or [0.0], classic)
     finally:
@@ -495,11 +701,18 @@ def run(args) -> int:
     weights = [v for _, v in tree_flatten(model.parameters())]
     report["context"] = {
         "target": args.model or "SmolLM2-135M-Instruct (default)",
-        "drafters": [label for label, _ in drafters], "drafter_names": drafter_names(drafters),
+        "drafters": [label for label, _ in drafters],
+        "drafter_names": drafter_names(drafters),
         "dtype": ",".join(sorted({str(w.dtype).split(".")[-1] for w in weights})),
-        "prompts": len(prompts), "suites": args.prompts, "prompts_sha256": prompts_sha256(texts),
-        "trials": args.trials, "max_tokens": args.max_tokens, "runtime": runtime_info(args.kernels),
-        "engines": engines, "peer_python": peer_python if engines else None, "command": command_line(args),
+        "prompts": len(prompts),
+        "suites": args.prompts,
+        "prompts_sha256": prompts_sha256(texts),
+        "trials": args.trials,
+        "max_tokens": args.max_tokens,
+        "runtime": runtime_info(args.kernels),
+        "engines": engines,
+        "peer_python": peer_python if engines else None,
+        "command": command_line(args),
         **report_context(),  # the commit and the package version
         "costs": report["costs"],  # the cost curves (in plain steps) adaptive mode and ddtree budgets ran on
     }
@@ -517,9 +730,15 @@ def run(args) -> int:
 def run_alias(args) -> int:
     """`bench --tree-sim DATA` and `bench --replay`: say on stderr which command they are now, and run it."""
     if args.tree_sim:
-        print("dflash2 bench: --tree-sim DATA is the command `dflash2 tree-sim DATA` now, which takes the other "
-              "flags as they are; running it", file=sys.stderr)
+        print(
+            "dflash2 bench: --tree-sim DATA is the command `dflash2 tree-sim DATA` now, which takes the other "
+            "flags as they are; running it",
+            file=sys.stderr,
+        )
         return tree_sim.run(args)
-    print("dflash2 bench: --replay is the command `dflash2 replay` now, which takes the other flags as they are; "
-          "running it", file=sys.stderr)
+    print(
+        "dflash2 bench: --replay is the command `dflash2 replay` now, which takes the other flags as they are; "
+        "running it",
+        file=sys.stderr,
+    )
     return replay.run(args)

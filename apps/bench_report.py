@@ -20,6 +20,7 @@ from rich.text import Text
 from dflash2_mlx import __version__
 from dflash2_mlx.sparkline import sparkline
 
+
 @dataclass
 class Method:
     name: str
@@ -58,8 +59,22 @@ NGRAM = 8  # the n-gram length `repetition_share` counts
 
 # The results table's columns: all of them in the markdown (and with `--wide`), the first ones a reader looks at
 # on the terminal by default (T only where the bench ran several temperatures).
-COLUMNS = ("method", "T", "tok/s", "min-max", "vs mlx-lm", "tau", "plain %", "prompt tok/s", "TTFT s", "peak GB",
-           "draft %", "ms/cycle (rest)", "lossless", "accepted by position")
+COLUMNS = (
+    "method",
+    "T",
+    "tok/s",
+    "min-max",
+    "vs mlx-lm",
+    "tau",
+    "plain %",
+    "prompt tok/s",
+    "TTFT s",
+    "peak GB",
+    "draft %",
+    "ms/cycle (rest)",
+    "lossless",
+    "accepted by position",
+)
 FIRST_COLUMNS = ("method", "T", "tok/s", "vs mlx-lm", "tau", "lossless")
 
 
@@ -84,7 +99,7 @@ def repetition_share(tokens: Sequence[int], n: int = NGRAM) -> float:
         return 0.0
     seen, repeated = set(), 0
     for i in range(windows):
-        gram = tuple(tokens[i:i + n])
+        gram = tuple(tokens[i : i + n])
         repeated += gram in seen
         seen.add(gram)
     return repeated / windows
@@ -129,8 +144,12 @@ def _bar(value: float, scale: float, width: int = 30) -> str:
 def prompt_tps(trials: list[list[Run]], p: int | list[int]) -> float:
     """Tokens per second of prompt p (or of the prompts in a list) over all trials (their tokens over their
     seconds: over an ABBA pair of trials a linear drift weighs on every method alike)."""
-    runs = [runs[i] for runs in trials for i in ([p] if isinstance(p, int) else p)
-            if runs[i] is not None and runs[i].generation_tps > 0]
+    runs = [
+        runs[i]
+        for runs in trials
+        for i in ([p] if isinstance(p, int) else p)
+        if runs[i] is not None and runs[i].generation_tps > 0
+    ]
     seconds = sum(len(r.tokens) / r.generation_tps for r in runs)
     return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
 
@@ -161,19 +180,26 @@ def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict
             adaptive_runs = [r[p] for r in runs[m.name]]
             tokens = sum(len(r.tokens) for r in adaptive_runs)
             rivals = [plain.name] + ([best] if best else [])
-            rows.append({
-                "temperature": temp, "prompt": p + 1, "drafter": m.drafter_label, "plain_tps": plain_tps,
-                "adaptive_tps": adaptive_tps, "best_fixed": best, "best_fixed_tps": tps[best] if best else None,
-                "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
-                "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
-                "vs_plain_trials": trial_range(runs, m.name, [plain.name], p),
-                "vs_best_trials": trial_range(runs, m.name, rivals, p),
-                "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
-                "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
-                "tokens": tokens / len(adaptive_runs),  # new tokens per run: under max_tokens where it ended at EOS
-                "repeat": statistics.mean(repetition_share(r.tokens) for r in adaptive_runs),
-                "fixed_tps": tps,
-            })
+            rows.append(
+                {
+                    "temperature": temp,
+                    "prompt": p + 1,
+                    "drafter": m.drafter_label,
+                    "plain_tps": plain_tps,
+                    "adaptive_tps": adaptive_tps,
+                    "best_fixed": best,
+                    "best_fixed_tps": tps[best] if best else None,
+                    "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
+                    "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
+                    "vs_plain_trials": trial_range(runs, m.name, [plain.name], p),
+                    "vs_best_trials": trial_range(runs, m.name, rivals, p),
+                    "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
+                    "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
+                    "tokens": tokens / len(adaptive_runs),  # new tokens per run: under max_tokens where it ended at EOS
+                    "repeat": statistics.mean(repetition_share(r.tokens) for r in adaptive_runs),
+                    "fixed_tps": tps,
+                }
+            )
     return rows
 
 
@@ -200,11 +226,18 @@ def adaptive_summary(methods: list[Method], runs: dict, rows: list[dict]) -> lis
             return prompt_tps(runs[m.name], prompts) / plain_tps if plain_tps else None
 
         loop_free = [r["prompt"] - 1 for r in mine if r["repeat"] < LOOP_SHARE]
-        out.append({"temperature": mine[0]["temperature"], "drafter": m.drafter_label, "prompts": len(mine),
-                    "vs_plain": vs_plain([r["prompt"] - 1 for r in mine]), "loop_free_prompts": len(loop_free),
-                    "loop_free_vs_plain": vs_plain(loop_free), "loop_share": LOOP_SHARE,
-                    "in_loop": [{"prompt": r["prompt"], "repeat": r["repeat"]} for r in mine
-                                if r["repeat"] >= LOOP_SHARE]})
+        out.append(
+            {
+                "temperature": mine[0]["temperature"],
+                "drafter": m.drafter_label,
+                "prompts": len(mine),
+                "vs_plain": vs_plain([r["prompt"] - 1 for r in mine]),
+                "loop_free_prompts": len(loop_free),
+                "loop_free_vs_plain": vs_plain(loop_free),
+                "loop_share": LOOP_SHARE,
+                "in_loop": [{"prompt": r["prompt"], "repeat": r["repeat"]} for r in mine if r["repeat"] >= LOOP_SHARE],
+            }
+        )
     return out
 
 
@@ -287,8 +320,14 @@ def render(report: dict, console=None, wide: bool = False) -> str:
     tables = [(Table(*first), first)] + ([(Table(*more, title="more per method"), more)] if wide else [])
     for table, _ in tables:
         _fit(table, table.title is not None)
-    md = [f"**dflash2 bench** {head[0]}  ", *(f"{line}  " for line in head[1:-1]), head[-1], "",
-          "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    md = [
+        f"**dflash2 bench** {head[0]}  ",
+        *(f"{line}  " for line in head[1:-1]),
+        head[-1],
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
     notes = {}  # note -> the methods it is about
     for r in results:
         if r.get("note"):
@@ -302,11 +341,18 @@ def render(report: dict, console=None, wide: bool = False) -> str:
             table.add_row(*(cells[c] for c in shown))
     for table, _ in tables:
         console.print(table)
-    split = [f"{labels[r['method']]} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
-             f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}" for r in results if r.get("overhead_ms") is not None]
+    split = [
+        f"{labels[r['method']]} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
+        f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}"
+        for r in results
+        if r.get("overhead_ms") is not None
+    ]
     if split:
-        lines = ["ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
-                 "alone in steady state, right after each trial's runs):", *split]
+        lines = [
+            "ms per cycle = drafter pass + verify pass + the rest (the loop's own overhead; the passes timed "
+            "alone in steady state, right after each trial's runs):",
+            *split,
+        ]
         if wide:
             console.print("\n  ".join(lines), markup=False, highlight=False)
         md.append("\n" + "\n".join(f"- {x}" if i else x for i, x in enumerate(lines)))
@@ -314,14 +360,24 @@ def render(report: dict, console=None, wide: bool = False) -> str:
         line = f"{', '.join(dict.fromkeys(methods))}: {note}"
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
-    md += render_per_prompt(report.get("per_prompt", []), console, ctx["max_tokens"], labels, names, wide,
-                            report.get("adaptive_summary", []))
+    md += render_per_prompt(
+        report.get("per_prompt", []),
+        console,
+        ctx["max_tokens"],
+        labels,
+        names,
+        wide,
+        report.get("adaptive_summary", []),
+    )
     for c in report.get("shadow_calibration", []):
         who = f"{names.get(c['drafter'], c['drafter'])} T={c['temperature']:g} B={c['block_size']}"
-        line = (f"shadow calibration {who}: tau expected from {c['probes']} shadow probes{_probe_block(c)} "
-                f"{c['expected_tau']:.3f}, measured by fixed-block cycles {c['measured_tau']:.3f} "
-                f"({c['relative']:+.1%})"
-                if c["expected_tau"] else f"shadow calibration {who}: no shadow probe")
+        line = (
+            f"shadow calibration {who}: tau expected from {c['probes']} shadow probes{_probe_block(c)} "
+            f"{c['expected_tau']:.3f}, measured by fixed-block cycles {c['measured_tau']:.3f} "
+            f"({c['relative']:+.1%})"
+            if c["expected_tau"]
+            else f"shadow calibration {who}: no shadow probe"
+        )
         console.print(line, markup=False, highlight=False)
         md.append(f"\n{line}")
     top = max((r["speedup"] or 0) for r in results) or 1
@@ -330,22 +386,31 @@ def render(report: dict, console=None, wide: bool = False) -> str:
     for r in results:
         if r["speedup"]:
             temp = f" T={r['temperature']:<4g}" if len(temps) > 1 else ""
-            console.print(f"  {labels[r['method']]:{width}s}{temp} {_bar(r['speedup'], top)} {r['speedup']:.2f}x",
-                          markup=False, highlight=False)
+            console.print(
+                f"  {labels[r['method']]:{width}s}{temp} {_bar(r['speedup'], top)} {r['speedup']:.2f}x",
+                markup=False,
+                highlight=False,
+            )
     for r in results:
         if r["acceptance_by_position"]:
             profile = ", ".join(f"{p:.2f}" for p in r["acceptance_by_position"])
-            md.append(f"\n{labels[r['method']]} T={r['temperature']:g} accepted by position "
-                      f"1..{len(r['acceptance_by_position'])}: {profile}")
+            md.append(
+                f"\n{labels[r['method']]} T={r['temperature']:g} accepted by position "
+                f"1..{len(r['acceptance_by_position'])}: {profile}"
+            )
     for c in ctx.get("costs", report.get("costs", [])):
         name = names.get(c["drafter"], c["drafter"])
-        lines = [f"cost curve with {name} (target forward over n tokens / one plain step, n = 1..): "
-                 + " ".join(f"{x:.2f}" for x in c["verify_steps"])
-                 + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
-                 f"{1000 * c['step_s']:.0f} ms"]
+        lines = [
+            f"cost curve with {name} (target forward over n tokens / one plain step, n = 1..): "
+            + " ".join(f"{x:.2f}" for x in c["verify_steps"])
+            + f"; drafter pass {c['draft_steps'][0]:.2f}-{c['draft_steps'][-1]:.2f} steps; plain step "
+            f"{1000 * c['step_s']:.0f} ms"
+        ]
         if c.get("tree_budget"):  # a line of its own: the curve's line wraps on a narrow terminal
-            lines.append(f"default tree budget at B={c['block_size']}: {c['tree_budget']} nodes (from the cost curve "
-                         f"with {name})")
+            lines.append(
+                f"default tree budget at B={c['block_size']}: {c['tree_budget']} nodes (from the cost curve "
+                f"with {name})"
+            )
         for line in lines:
             console.print(line, markup=False, highlight=False)
             md.append(f"\n{line}")
@@ -362,8 +427,15 @@ def render(report: dict, console=None, wide: bool = False) -> str:
     return "\n".join(md) + "\n"
 
 
-def render_per_prompt(rows: list[dict], console, max_tokens: int | None = None, labels: dict | None = None,
-                      names: dict | None = None, wide: bool = False, summaries: Sequence[dict] = ()) -> list[str]:
+def render_per_prompt(
+    rows: list[dict],
+    console,
+    max_tokens: int | None = None,
+    labels: dict | None = None,
+    names: dict | None = None,
+    wide: bool = False,
+    summaries: Sequence[dict] = (),
+) -> list[str]:
     """The per-prompt tables (adaptive vs plain vs the best fixed block), their markdown lines. Each ratio carries
     its range over trials, and where mlx-lm ran, its ratio to plain decoding (the same work) says how far noise
     alone moves a ratio on this run. `repeat` is the share of the answer's 8-grams that occurred earlier in it
@@ -386,13 +458,36 @@ def render_per_prompt(rows: list[dict], console, max_tokens: int | None = None, 
     labels, names = labels or {}, names or {}
     same = any(r.get("same_work_vs_plain") for r in rows)
     temps = len({r["temperature"] for r in rows}) > 1
-    columns = ["T", "prompt", "tokens", "repeat", "drafter", "plain tok/s", "best fixed", "tok/s", "adaptive tok/s",
-               "plain %", "vs plain", "vs best"] + (["mlx-lm vs plain"] if same else [])
-    md = ["", "adaptive mode per prompt (tok/s over all trials; repeat = the share of the answer's "
-          f"{NGRAM}-grams that occurred earlier in it, a loop from {LOOP_SHARE:.0%}; vs best = against the faster of "
-          "plain and the best fixed block on that prompt; in brackets the lowest and highest of the ratio trial by "
-          "trial" + ("; mlx-lm vs plain: the same forwards through two loops, i.e. how far noise alone moves a ratio"
-                     if same else "") + "):", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    columns = [
+        "T",
+        "prompt",
+        "tokens",
+        "repeat",
+        "drafter",
+        "plain tok/s",
+        "best fixed",
+        "tok/s",
+        "adaptive tok/s",
+        "plain %",
+        "vs plain",
+        "vs best",
+    ] + (["mlx-lm vs plain"] if same else [])
+    md = [
+        "",
+        "adaptive mode per prompt (tok/s over all trials; repeat = the share of the answer's "
+        f"{NGRAM}-grams that occurred earlier in it, a loop from {LOOP_SHARE:.0%}; vs best = against the faster of "
+        "plain and the best fixed block on that prompt; in brackets the lowest and highest of the ratio trial by "
+        "trial"
+        + (
+            "; mlx-lm vs plain: the same forwards through two loops, i.e. how far noise alone moves a ratio"
+            if same
+            else ""
+        )
+        + "):",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
     groups = {}  # (temperature, drafter) -> its rows
     for r in rows:
         groups.setdefault((r["temperature"], r["drafter"]), []).append(r)
@@ -401,16 +496,23 @@ def render_per_prompt(rows: list[dict], console, max_tokens: int | None = None, 
     lines = []
     for (temp, drafter), mine in groups.items():
         who = f"{names.get(drafter, drafter)} · adaptive"
-        shown = (["prompt", "tokens", "repeat", "plain", "best fixed", "adaptive", "vs plain", "vs best"]
-                 + (["plain %"] + (["mlx-lm vs plain"] if same else []) if wide else []))
-        table = Table(*shown, title=f"{who} per prompt" + (f", T={temp:g}" if temps else "")
-                      + " (tok/s over all trials)")
+        shown = ["prompt", "tokens", "repeat", "plain", "best fixed", "adaptive", "vs plain", "vs best"] + (
+            ["plain %"] + (["mlx-lm vs plain"] if same else []) if wide else []
+        )
+        table = Table(
+            *shown, title=f"{who} per prompt" + (f", T={temp:g}" if temps else "") + " (tok/s over all trials)"
+        )
         _fit(table, wide)
         for r in mine:
             cells = _prompt_cells(r, labels, names, ranges=wide)
             best = _fixed_label(r["best_fixed"], drafter, labels, names) if r["best_fixed"] else None
-            cells.update({"plain": cells["plain tok/s"], "best fixed": f"{cells['tok/s']} ({best})" if best else "-",
-                          "adaptive": cells["adaptive tok/s"]})
+            cells.update(
+                {
+                    "plain": cells["plain tok/s"],
+                    "best fixed": f"{cells['tok/s']} ({best})" if best else "-",
+                    "adaptive": cells["adaptive tok/s"],
+                }
+            )
             table.add_row(*(cells[c] for c in shown))
         console.print(table)
         summary = next((s for s in summaries if (s["temperature"], s["drafter"]) == (temp, drafter)), None)
@@ -421,9 +523,17 @@ def render_per_prompt(rows: list[dict], console, max_tokens: int | None = None, 
         lines += group
     short = [r for r in rows if max_tokens and r.get("tokens") is not None and r["tokens"] < max_tokens]
     if short:
-        lines.append(f"answers shorter than --max-tokens {max_tokens} (they ended at EOS): " + ", ".join(dict.fromkeys(
-            f"prompt {r['prompt']}" + (f" T={r['temperature']:g}" if temps else "") + f" {_tokens(r['tokens'])} tokens"
-            for r in short)))
+        lines.append(
+            f"answers shorter than --max-tokens {max_tokens} (they ended at EOS): "
+            + ", ".join(
+                dict.fromkeys(
+                    f"prompt {r['prompt']}"
+                    + (f" T={r['temperature']:g}" if temps else "")
+                    + f" {_tokens(r['tokens'])} tokens"
+                    for r in short
+                )
+            )
+        )
         console.print(lines[-1], markup=False, highlight=False)
     return md + [f"\n{line}" for line in lines]
 
@@ -434,23 +544,32 @@ def summary_line(who: str, s: dict) -> str:
     prompt 3 81% repeated, prompt 7 62%)'. The loop-free figure is the one to quote."""
     if not s["vs_plain"]:
         return f"{who}: no plain run to compare with"
-    loop_free = (f"{s['loop_free_vs_plain']:.2f}x, {s['loop_free_prompts']} of {s['prompts']}"
-                 if s["loop_free_vs_plain"] else f"none of {s['prompts']}")
-    left = ", ".join(f"prompt {x['prompt']} {x['repeat']:.0%}" + (" repeated" if not i else "")
-                     for i, x in enumerate(s["in_loop"]))
-    return (f"{who}: {s['vs_plain']:.2f}x of plain (loop-free prompts: {loop_free}"
-            + (f"; left out, their answers in a loop: {left}); quote the loop-free figure" if left else ")"))
+    loop_free = (
+        f"{s['loop_free_vs_plain']:.2f}x, {s['loop_free_prompts']} of {s['prompts']}"
+        if s["loop_free_vs_plain"]
+        else f"none of {s['prompts']}"
+    )
+    left = ", ".join(
+        f"prompt {x['prompt']} {x['repeat']:.0%}" + (" repeated" if not i else "") for i, x in enumerate(s["in_loop"])
+    )
+    return f"{who}: {s['vs_plain']:.2f}x of plain (loop-free prompts: {loop_free}" + (
+        f"; left out, their answers in a loop: {left}); quote the loop-free figure" if left else ")"
+    )
 
 
 def _spread_line(who: str, rows: list[dict]) -> str:
     """Adaptive mode's worst and median ratio per prompt, and the noise band of the run where mlx-lm ran."""
     best = [r["vs_best"] for r in rows if r["vs_best"]]
-    line = (f"{who} vs the best of plain and fixed blocks per prompt: worst {min(best):.2f}x, median "
-            f"{statistics.median(best):.2f}x; vs plain: worst {min(r['vs_plain'] for r in rows if r['vs_plain']):.2f}x")
+    line = (
+        f"{who} vs the best of plain and fixed blocks per prompt: worst {min(best):.2f}x, median "
+        f"{statistics.median(best):.2f}x; vs plain: worst {min(r['vs_plain'] for r in rows if r['vs_plain']):.2f}x"
+    )
     noise = [r["same_work_vs_plain"] for r in rows if r.get("same_work_vs_plain")]
     if noise:
-        line += (f"; mlx-lm vs plain (the same work) per prompt {min(noise):.2f}-{max(noise):.2f}x: "
-                 "differences inside that band are this run's noise")
+        line += (
+            f"; mlx-lm vs plain (the same work) per prompt {min(noise):.2f}-{max(noise):.2f}x: "
+            "differences inside that band are this run's noise"
+        )
     return line
 
 
@@ -464,12 +583,16 @@ def _fit(table: Table, wrap: bool) -> None:
 def _prompt_cells(r: dict, labels: dict, names: dict, ranges: bool = True) -> dict:
     """A per-prompt row as cells, by column (ratios with their range over trials where `ranges`)."""
     return {
-        "T": f"{r['temperature']:g}", "prompt": str(r["prompt"]), "tokens": _tokens(r.get("tokens")),
+        "T": f"{r['temperature']:g}",
+        "prompt": str(r["prompt"]),
+        "tokens": _tokens(r.get("tokens")),
         "repeat": f"{r['repeat']:.0%}" if r.get("repeat") is not None else "-",
-        "drafter": names.get(r["drafter"], r["drafter"]), "plain tok/s": f"{r['plain_tps']:.1f}",
+        "drafter": names.get(r["drafter"], r["drafter"]),
+        "plain tok/s": f"{r['plain_tps']:.1f}",
         "best fixed": labels.get(r["best_fixed"], r["best_fixed"]) if r["best_fixed"] else "-",
         "tok/s": f"{r['best_fixed_tps']:.1f}" if r["best_fixed_tps"] else "-",
-        "adaptive tok/s": f"{r['adaptive_tps']:.1f}", "plain %": f"{r['plain_share']:.0%}",
+        "adaptive tok/s": f"{r['adaptive_tps']:.1f}",
+        "plain %": f"{r['plain_share']:.0%}",
         "vs plain": _ratio(r["vs_plain"], r.get("vs_plain_trials") if ranges else None),
         "vs best": _ratio(r["vs_best"], r.get("vs_best_trials") if ranges else None),
         "mlx-lm vs plain": _ratio(r.get("same_work_vs_plain"), None),
@@ -481,7 +604,7 @@ def _fixed_label(name: str, drafter: str, labels: dict, names: dict) -> str:
     label = labels.get(name, name)
     for prefix in (f"{names.get(drafter, drafter)} · ", f"{drafter} "):
         if label.startswith(prefix):
-            return label[len(prefix):]
+            return label[len(prefix) :]
     return label
 
 

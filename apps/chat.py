@@ -19,8 +19,9 @@ from dflash2_mlx.target import Target
 HELP = "'q' quits, 'r' starts a new conversation, 'h' shows this"
 
 
-def repl(model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool,
-         read=input, out=None, err=None) -> list[dict]:
+def repl(
+    model, tokenizer, drafter, kwargs: dict, system_prompt: str | None, reuse: bool, read=input, out=None, err=None
+) -> list[dict]:
     """Chat until 'q' or end of input; returns the conversation. `kwargs` are `stream_cycles`'; `reuse`
     keeps the conversation's caches from turn to turn (a `PromptCache`). `out`, `err`: default the streams
     `sys` has when the chat starts (not when this module was imported)."""
@@ -76,13 +77,23 @@ def add_parser(sub) -> None:
     common.add_sampling_args(p)
     common.add_processor_args(p)
     p.add_argument("--system-prompt", help="a system message opening the conversation")
-    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the conversation's caches from turn to turn")
+    p.add_argument(
+        "--prompt-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the conversation's caches from turn to turn",
+    )
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     model, tokenizer, drafter = common.load_pair(args)
-    repl(model, tokenizer, drafter, common.generation_kwargs(args, Target(model).vocab_size), args.system_prompt,
-         args.prompt_cache)
+    repl(
+        model,
+        tokenizer,
+        drafter,
+        common.generation_kwargs(args, Target(model).vocab_size),
+        args.system_prompt,
+        args.prompt_cache,
+    )
     return 0

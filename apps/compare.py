@@ -78,11 +78,31 @@ def render_comparison(rows: list[dict], ours: list[dict], console) -> str:
     table = Table(*cols, title="compared with CUDA runs")
     md = ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
-    lines = [[f"{r.get('engine', '?')} ({r.get('hardware', '?')})", f"{r.get('target', '?')} / {r.get('drafter', '?')}",
-              str(r.get("suite", "-")), fmt(r.get("temperature"), "{:g}"), fmt(r.get("block_size"), "{}"),
-              fmt(r.get("tau"), "{:.2f}"), fmt(r.get("speedup"), "{:.2f}x")] for r in rows]
-    lines += [["this run", r["method"], "this run", f"{r['temperature']:g}", fmt(r["block_size"], "{}"),
-               fmt(r["tau"], "{:.2f}"), fmt(r["speedup"], "{:.2f}x")] for r in ours if r["kind"] == "dflash"]
+    lines = [
+        [
+            f"{r.get('engine', '?')} ({r.get('hardware', '?')})",
+            f"{r.get('target', '?')} / {r.get('drafter', '?')}",
+            str(r.get("suite", "-")),
+            fmt(r.get("temperature"), "{:g}"),
+            fmt(r.get("block_size"), "{}"),
+            fmt(r.get("tau"), "{:.2f}"),
+            fmt(r.get("speedup"), "{:.2f}x"),
+        ]
+        for r in rows
+    ]
+    lines += [
+        [
+            "this run",
+            r["method"],
+            "this run",
+            f"{r['temperature']:g}",
+            fmt(r["block_size"], "{}"),
+            fmt(r["tau"], "{:.2f}"),
+            fmt(r["speedup"], "{:.2f}x"),
+        ]
+        for r in ours
+        if r["kind"] == "dflash"
+    ]
     for line in lines:
         table.add_row(*line)
         md.append("| " + " | ".join(line) + " |")

@@ -20,28 +20,47 @@ def add_parser(sub) -> None:
     d = DataSettings(target="")  # the flags' defaults
     p.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
-                   help="prompts to answer; rerunning with a larger number grows an existing folder")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=d.num_prompts,
+        help="prompts to answer; rerunning with a larger number grows an existing folder",
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longer prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temp", type=float, default=d.temperature, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="responses decoded at once (continuous batching; may change between runs)")
-    p.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="what decodes the responses: torch (bfloat16, greedy) where the CPU has avx512_bf16 or AMX "
-                   "and PyTorch is installed, MLX elsewhere (auto); a folder keeps the engine it was started with")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="responses decoded at once (continuous batching; may change between runs)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="what decodes the responses: torch (bfloat16, greedy) where the CPU has avx512_bf16 or AMX "
+        "and PyTorch is installed, MLX elsewhere (auto); a folder keeps the engine it was started with",
+    )
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    settings = DataSettings(args.model, args.num_prompts, args.max_prompt_tokens, args.max_new_tokens,
-                            args.temp, args.seed, args.batch_size, args.engine)
+    settings = DataSettings(
+        args.model,
+        args.num_prompts,
+        args.max_prompt_tokens,
+        args.max_new_tokens,
+        args.temp,
+        args.seed,
+        args.batch_size,
+        args.engine,
+    )
     out = build(args.out, settings)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
     samples = read_shards(out)
     held = sum(s.heldout for s in samples)
     tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
-    print(f"{out}: {len(samples) - held} training + {held} held-out samples, {tokens} response tokens",
-          file=sys.stderr)
+    print(f"{out}: {len(samples) - held} training + {held} held-out samples, {tokens} response tokens", file=sys.stderr)
     return 0

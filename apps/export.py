@@ -22,11 +22,19 @@ def add_parser(sub) -> None:
     p.add_argument("--mlx-path", required=True)
     p.add_argument("--hf-path", required=True)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default bfloat16")
-    p.add_argument("--for", dest="engine", choices=sorted(serving.ENGINES), default=None,
-                   help="write the folder this engine serves (its architecture names and dflash_config fields)")
-    p.add_argument("--model", default=None,
-                   help="with --for: the target (mlx-lm folder, hub id or GGUF file); needed to expand a factorised "
-                   "selector and where the drafter leaves its vocabulary or logit settings to the target")
+    p.add_argument(
+        "--for",
+        dest="engine",
+        choices=sorted(serving.ENGINES),
+        default=None,
+        help="write the folder this engine serves (its architecture names and dflash_config fields)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="with --for: the target (mlx-lm folder, hub id or GGUF file); needed to expand a factorised "
+        "selector and where the drafter leaves its vocabulary or logit settings to the target",
+    )
     p.set_defaults(run=run)
 
 
@@ -37,8 +45,10 @@ def run(args) -> int:
         print(f"wrote {export(args.mlx_path, args.hf_path, args.dtype or 'bfloat16')}", file=sys.stderr)
         return 0
     if args.dtype not in (None, serving.DTYPE):
-        raise ValueError(f"--for {args.engine} writes {serving.DTYPE} (what the engines serve); drop --dtype "
-                         f"{args.dtype}, or export without --for")
+        raise ValueError(
+            f"--for {args.engine} writes {serving.DTYPE} (what the engines serve); drop --dtype "
+            f"{args.dtype}, or export without --for"
+        )
     out = export_for(args.mlx_path, args.hf_path, args.engine, args.model)
     block = json.loads((out / "config.json").read_text())["dflash_config"]["block_size"]
     print(f"wrote {out}; serve it with:\n  {serving.launch_command(args.engine, out, block)}", file=sys.stderr)

@@ -44,15 +44,17 @@ def run(args) -> int:
 def _generate(args, model, tokenizer, drafter, vocab_size: int) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not args.ignore_chat_template and tokenizer.has_chat_template:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True
-        )
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     kwargs = common.generation_kwargs(args, vocab_size)
     result = generate(model, tokenizer, prompt, drafter, verbose=not args.json, **kwargs)
     if args.json:
         vocab = None if drafter is None or drafter.draft_vocab is None else len(drafter.draft_vocab)
-        extra = {"path": kwargs["walk"], "draft_quant": args.draft_quant, "draft_vocab": vocab,
-                 "runtime": runtime_info(args.kernels)}
+        extra = {
+            "path": kwargs["walk"],
+            "draft_quant": args.draft_quant,
+            "draft_vocab": vocab,
+            "runtime": runtime_info(args.kernels),
+        }
         print(json.dumps({**result.to_dict(), **extra}))
     else:
         print(common.summary(result), file=sys.stderr)

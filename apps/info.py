@@ -19,10 +19,17 @@ def add_parser(sub) -> None:
         "Metal kernels fare on this machine (each against its pure-MLX op: what a bug report quotes).",
     )
     p.add_argument("path", nargs="?", help="drafter folder or hub id")
-    p.add_argument("--self-check", action="store_true",
-                   help="run the Metal kernels' self-check and print per kernel and dtype: passed or why not")
-    p.add_argument("--assets", action="store_true", help="instead: the downloaded models and data, where each is "
-                   "installed and whether it matches its pinned sha256 (exit status 1 when one does not)")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="run the Metal kernels' self-check and print per kernel and dtype: passed or why not",
+    )
+    p.add_argument(
+        "--assets",
+        action="store_true",
+        help="instead: the downloaded models and data, where each is "
+        "installed and whether it matches its pinned sha256 (exit status 1 when one does not)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
@@ -46,9 +53,19 @@ def run(args) -> int:
     console = Console()
     cfg = info["config"]
     console.print(f"[bold]{info['path']}[/]  {cfg['architecture']}")
-    for key in ("num_hidden_layers", "hidden_size", "block_size", "target_layer_ids", "mask_token_id",
-                "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "dtype",
-                "quantization"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "block_size",
+        "target_layer_ids",
+        "mask_token_id",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "dtype",
+        "quantization",
+    ):
         if cfg.get(key) not in (None, 0):
             console.print(f"  {key}: {cfg[key]}")
     table = Table("component", "parameters", "share", title="parameters")

@@ -39,8 +39,13 @@ def cases(dtype):
             yield "dynamic conv", f"D={D} L={L}", partial(dynamic_conv, x, base, dyn)
     for B in BLOCK_SIZES:
         T = B - 1
-        lattice = LatticeInputs(mx.zeros((T, TOP_K), mx.uint32), normal((T, TOP_K)), normal((T, TOP_K, RANK)),
-                                normal((T, RANK)), normal((T, TOP_K, RANK)))
+        lattice = LatticeInputs(
+            mx.zeros((T, TOP_K), mx.uint32),
+            normal((T, TOP_K)),
+            normal((T, TOP_K, RANK)),
+            normal((T, RANK)),
+            normal((T, TOP_K, RANK)),
+        )
         for walk in ("greedy", "viterbi"):
             yield f"selector, {walk} walk", f"T={T} k={TOP_K} R={RANK}", partial(scored_path, lattice, walk)
         logits = normal((B, VOCAB)).astype(dtype)
@@ -66,24 +71,33 @@ def agree(a: list[mx.array], b: list[mx.array]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash2_apps.kernel_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                        help="dtype of the conv inputs and the verify logits (the selector is float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default="bfloat16",
+        help="dtype of the conv inputs and the verify logits (the selector is float32)",
+    )
     args = parser.parse_args(argv)
     console = report_console()
     info = runtime_info()
     metal = mx.metal.is_available()
-    console.print(f"[bold]dflash2 kernel bench[/] MLX {info['mlx']}, {info['backend']} ({info['machine']}), "
-                  f"{args.dtype}, {args.iterations} calls per op")
+    console.print(
+        f"[bold]dflash2 kernel bench[/] MLX {info['mlx']}, {info['backend']} ({info['machine']}), "
+        f"{args.dtype}, {args.iterations} calls per op"
+    )
     if not metal:
-        console.print("Metal is not available here (mx.metal.is_available() is False): timing the pure-MLX ops "
-                      "only. Run this on a Mac for the kernel column.")
+        console.print(
+            "Metal is not available here (mx.metal.is_available() is False): timing the pure-MLX ops "
+            "only. Run this on a Mac for the kernel column."
+        )
     table = Table("op", "size", "pure-MLX ms", "Metal ms", "speedup", "same result")
     for op, size, call in cases(getattr(mx, args.dtype)):
         pure_ms, pure = ms_per_call(partial(call, metal=False), args.iterations)
         if metal:
             metal_ms, fused = ms_per_call(partial(call, metal=True), args.iterations)
-            table.add_row(op, size, f"{pure_ms:.3f}", f"{metal_ms:.3f}", f"{pure_ms / metal_ms:.2f}x",
-                          agree(pure, fused))
+            table.add_row(
+                op, size, f"{pure_ms:.3f}", f"{metal_ms:.3f}", f"{pure_ms / metal_ms:.2f}x", agree(pure, fused)
+            )
         else:
             table.add_row(op, size, f"{pure_ms:.3f}", "-", "-", "-")
     console.print(table)

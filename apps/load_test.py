@@ -53,10 +53,16 @@ def chat_turn(host: str, port: int, messages: list[dict], max_tokens: int, timeo
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     tic = time.perf_counter()
     try:
-        body = {"messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-                "stream_options": {"include_usage": True}}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+        body = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         r = conn.getresponse()
         if r.status != 200:
             return {"error": f"HTTP {r.status}: {r.read().decode(errors='replace')[:200]}"}
@@ -80,8 +86,9 @@ def chat_turn(host: str, port: int, messages: list[dict], max_tokens: int, timeo
         conn.close()
 
 
-def run_clients(host: str, port: int, clients: int, requests: int, turns: int, max_tokens: int, prompts: list[str],
-                timeout: float) -> tuple[list[list[dict]], float]:
+def run_clients(
+    host: str, port: int, clients: int, requests: int, turns: int, max_tokens: int, prompts: list[str], timeout: float
+) -> tuple[list[list[dict]], float]:
     """`clients` threads, each sending `requests` conversations of `turns` turns: (the results of each turn, in
     order of completion; wall seconds)."""
     results: list[list[dict]] = [[] for _ in range(turns)]
@@ -97,8 +104,10 @@ def run_clients(host: str, port: int, clients: int, requests: int, turns: int, m
                     results[t].append(result)
                 if "error" in result:
                     break
-                messages += [{"role": "assistant", "content": result["text"]},
-                             {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+                messages += [
+                    {"role": "assistant", "content": result["text"]},
+                    {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]},
+                ]
 
     tic = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
@@ -124,13 +133,22 @@ def level_summary(results: list[list[dict]], wall: float) -> dict:
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)
     latency = [r["latency"] for r in done]
     ttft = [r["ttft"] for r in done if r["ttft"] is not None]
-    return {"requests": len(done), "failed": len(errors), "errors": errors[:5], "wall_s": wall,
-            "completion_tokens": tokens, "requests_per_s": len(done) / wall, "tokens_per_s": tokens / wall,
-            "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "batch_size_max": max((r["dflash"].get("batch_size", 0) for r in done), default=0),
-            "verify_modes": sorted({str(r["dflash"].get("verify_mode")) for r in done if r["dflash"]}),
-            "texts": {str(r["prompt_index"]): r["text"] for r in done}}
+    return {
+        "requests": len(done),
+        "failed": len(errors),
+        "errors": errors[:5],
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "requests_per_s": len(done) / wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": percentile(latency, 50),
+        "latency_p99_s": percentile(latency, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "batch_size_max": max((r["dflash"].get("batch_size", 0) for r in done), default=0),
+        "verify_modes": sorted({str(r["dflash"].get("verify_mode")) for r in done if r["dflash"]}),
+        "texts": {str(r["prompt_index"]): r["text"] for r in done},
+    }
 
 
 # -- dflash2 serve against mlx_lm.server ------------------------------------------------------------------------
@@ -181,8 +199,21 @@ def stop_server(proc: subprocess.Popen) -> None:
 def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tuple[list[str], dict]]:
     """(command, environment) of each server on `port`, serving `target` (the same folder for both)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    dflash = [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", target, "--draft-model", drafter,
-              "--port", str(port), "--queue-size", str(2 * max(args.levels)), *args.serve_arg]
+    dflash = [
+        sys.executable,
+        "-m",
+        "dflash2_apps.cli",
+        "serve",
+        "--model",
+        target,
+        "--draft-model",
+        drafter,
+        "--port",
+        str(port),
+        "--queue-size",
+        str(2 * max(args.levels)),
+        *args.serve_arg,
+    ]
     if args.verify_mode:
         dflash += ["--verify-mode", args.verify_mode]
     mlx_env = dict(env)  # the CLI preloads OpenBLAS itself; mlx_lm.server does not
@@ -207,14 +238,23 @@ def merge_trials(rounds: list[tuple[list[list[dict]], float, float]]) -> dict:
     seconds and when it started, in seconds from the first round): throughput as the median of the rounds' (and
     each round's), counts and walls summed, latency percentiles over every request of every round."""
     rows = [{**level_summary(results, wall), "start_s": start} for results, wall, start in rounds]
-    pooled = level_summary([[r for results, _, _ in rounds for turn in results for r in turn]],
-                           sum(wall for _, wall, _ in rounds))
-    return {**pooled, "tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
-            "requests_per_s": statistics.median(row["requests_per_s"] for row in rows),
-            "tokens_per_s_pooled": pooled["tokens_per_s"],
-            "trials": [{key: row[key] for key in ("requests", "failed", "start_s", "wall_s",
-                                                  "completion_tokens", "tokens_per_s", "texts")} for row in rows],
-            "texts": rows[0]["texts"]}
+    pooled = level_summary(
+        [[r for results, _, _ in rounds for turn in results for r in turn]], sum(wall for _, wall, _ in rounds)
+    )
+    return {
+        **pooled,
+        "tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows),
+        "requests_per_s": statistics.median(row["requests_per_s"] for row in rows),
+        "tokens_per_s_pooled": pooled["tokens_per_s"],
+        "trials": [
+            {
+                key: row[key]
+                for key in ("requests", "failed", "start_s", "wall_s", "completion_tokens", "tokens_per_s", "texts")
+            }
+            for row in rows
+        ],
+        "texts": rows[0]["texts"],
+    }
 
 
 def compare(args) -> int:
@@ -223,14 +263,26 @@ def compare(args) -> int:
     prompts = load_suite(args.prompts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"what": "dflash2 serve against mlx_lm.server: the same streaming chat clients, same target and prompts",
-              "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
-              "command": " ".join(["python -m dflash2_apps.load_test", *sys.argv[1:]]) if args.argv is None
-              else " ".join(["python -m dflash2_apps.load_test", *args.argv]),
-              "settings": {"levels": args.levels, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-                           "temperature": 0, "prompts": args.prompts, "verify_mode": args.verify_mode or "default",
-                           "serve_args": args.serve_arg, "trials": args.trials, "order": "ABBA"},
-              "servers": {name: {} for name in SERVERS}, "rounds": {}}
+    report = {
+        "what": "dflash2 serve against mlx_lm.server: the same streaming chat clients, same target and prompts",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "command": " ".join(["python -m dflash2_apps.load_test", *sys.argv[1:]])
+        if args.argv is None
+        else " ".join(["python -m dflash2_apps.load_test", *args.argv]),
+        "settings": {
+            "levels": args.levels,
+            "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "prompts": args.prompts,
+            "verify_mode": args.verify_mode or "default",
+            "serve_args": args.serve_arg,
+            "trials": args.trials,
+            "order": "ABBA",
+        },
+        "servers": {name: {} for name in SERVERS},
+        "rounds": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         target, _ = target_folder(args.model, None, Path(tmp))
         drafter = str(args.draft_model or default_drafter())
@@ -255,13 +307,18 @@ def compare(args) -> int:
                 for order in abba(args.trials):
                     for name in order:
                         start = time.perf_counter() - begin
-                        results, wall = run_clients("127.0.0.1", ports[name], level, args.requests, 1,
-                                                    args.max_tokens, prompts, args.timeout)
+                        results, wall = run_clients(
+                            "127.0.0.1", ports[name], level, args.requests, 1, args.max_tokens, prompts, args.timeout
+                        )
                         rounds[name].append((results, wall, start))
                         row = level_summary(results, wall)
-                        print(f"[load] {name}, {level} clients, round {len(rounds[name])}: "
-                              f"{row['tokens_per_s']:.1f} tokens/s, latency p50 {fmt(row['latency_p50_s'])} p99 "
-                              f"{fmt(row['latency_p99_s'])}, {row['failed']} failed", file=sys.stderr, flush=True)
+                        print(
+                            f"[load] {name}, {level} clients, round {len(rounds[name])}: "
+                            f"{row['tokens_per_s']:.1f} tokens/s, latency p50 {fmt(row['latency_p50_s'])} p99 "
+                            f"{fmt(row['latency_p99_s'])}, {row['failed']} failed",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 for name in SERVERS:
                     report["servers"][name][str(level)] = merge_trials(rounds[name])
                 report["rounds"][str(level)] = [list(order) for order in abba(args.trials)]
@@ -290,9 +347,13 @@ def ratios(report: dict) -> dict:
         other = theirs.get(level)
         if other is None or not other["tokens_per_s"]:
             continue
-        result[level] = {"median": row["tokens_per_s"] / other["tokens_per_s"],
-                         "rounds": [a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
-                                    for a, b in zip(row.get("trials", []), other.get("trials", []))]}
+        result[level] = {
+            "median": row["tokens_per_s"] / other["tokens_per_s"],
+            "rounds": [
+                a["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else None
+                for a, b in zip(row.get("trials", []), other.get("trials", []))
+            ],
+        }
     return result
 
 
@@ -313,8 +374,7 @@ def agreement(report: dict) -> dict:
         other = b.get(level)
         if other is None:
             continue
-        pairs = zip(row["trials"], other["trials"]) if "trials" in row and "trials" in other else \
-            [(row, other)]
+        pairs = zip(row["trials"], other["trials"]) if "trials" in row and "trials" in other else [(row, other)]
         for mine, theirs in pairs:
             for prompt, text in mine["texts"].items():
                 if prompt in theirs["texts"]:
@@ -326,22 +386,35 @@ def agreement(report: dict) -> dict:
 def markdown(report: dict) -> str:
     s = report["settings"]
     trials = s.get("trials", 1)
-    lines = [f"# {report['what']}", "",
-             f"Target `{report['target']}`, drafter `{report['drafter']}` (dflash2 serve, verify mode "
-             f"{s['verify_mode']}); {s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
-             f"T = 0, prompts `{s['prompts']}`; streaming with usage. Machine: {report['machine']}.", "",
-             f"Both servers started once and run alternately at each level, {trials} rounds in ABBA order (round 1: "
-             f"dflash2 serve then mlx_lm.server, round 2 the other way round, ...). Completion tokens/s is the median "
-             f"over the rounds (each round's in brackets); counts and latency percentiles are over every request of "
-             f"every round.", "",
-             f"Command: `{report['command']}`", "",
-             *([report["note"], ""] if report.get("note") else []),
-             *([f"Load average (1, 5, 15 min) before and after the runs: {loads}.", ""]
-               if (loads := "; ".join(f"{name}: {fmt_load(v.get('before'))} -> {fmt_load(v.get('after'))}"
-                                      for name, v in report.get("load_average", {}).items())) else []),
-             "| clients | server | ok | failed | completion tokens/s | requests/s | latency p50 | latency p99 "
-             "| TTFT p50 | largest batch (dflash2) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# {report['what']}",
+        "",
+        f"Target `{report['target']}`, drafter `{report['drafter']}` (dflash2 serve, verify mode "
+        f"{s['verify_mode']}); {s['requests_per_client']} requests per client, max_tokens {s['max_tokens']}, "
+        f"T = 0, prompts `{s['prompts']}`; streaming with usage. Machine: {report['machine']}.",
+        "",
+        f"Both servers started once and run alternately at each level, {trials} rounds in ABBA order (round 1: "
+        f"dflash2 serve then mlx_lm.server, round 2 the other way round, ...). Completion tokens/s is the median "
+        f"over the rounds (each round's in brackets); counts and latency percentiles are over every request of "
+        f"every round.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        *([report["note"], ""] if report.get("note") else []),
+        *(
+            [f"Load average (1, 5, 15 min) before and after the runs: {loads}.", ""]
+            if (
+                loads := "; ".join(
+                    f"{name}: {fmt_load(v.get('before'))} -> {fmt_load(v.get('after'))}"
+                    for name, v in report.get("load_average", {}).items()
+                )
+            )
+            else []
+        ),
+        "| clients | server | ok | failed | completion tokens/s | requests/s | latency p50 | latency p99 "
+        "| TTFT p50 | largest batch (dflash2) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     servers = report["servers"]
     for level in map(str, s["levels"]):
         for name, rows in servers.items():
@@ -350,18 +423,31 @@ def markdown(report: dict) -> str:
                 continue
             batch = row["batch_size_max"] if name == "dflash2 serve" else ""
             each = " / ".join(f"{t['tokens_per_s']:.1f}" for t in row.get("trials", []))
-            lines.append(f"| {level} | {name} | {row['requests']} | {row['failed']} | {row['tokens_per_s']:.1f}"
-                         f"{f' ({each})' if each else ''} | {row['requests_per_s']:.2f} | "
-                         f"{fmt(row['latency_p50_s'])} | {fmt(row['latency_p99_s'])} | {fmt(row['ttft_p50_s'])} | "
-                         f"{batch} |")
+            lines.append(
+                f"| {level} | {name} | {row['requests']} | {row['failed']} | {row['tokens_per_s']:.1f}"
+                f"{f' ({each})' if each else ''} | {row['requests_per_s']:.2f} | "
+                f"{fmt(row['latency_p50_s'])} | {fmt(row['latency_p99_s'])} | {fmt(row['ttft_p50_s'])} | "
+                f"{batch} |"
+            )
     found = report.get("ratios") or ratios(report)
-    text = [f"{level}: {found[level]['median']:.2f}x" + (
-        f" ({' / '.join('n/a' if r is None else f'{r:.2f}' for r in found[level]['rounds'])})"
-        if found[level]["rounds"] else "") for level in map(str, s["levels"]) if level in found]
-    lines += ["", f"Throughput, dflash2 serve / mlx_lm.server, by clients: {', '.join(text) or 'n/a'} (medians; "
-              f"each round's in brackets).",
-              f"Same answer from both servers (same prompt, level and round): {report['agreement']['same']} of "
-              f"{report['agreement']['compared']}.", ""]
+    text = [
+        f"{level}: {found[level]['median']:.2f}x"
+        + (
+            f" ({' / '.join('n/a' if r is None else f'{r:.2f}' for r in found[level]['rounds'])})"
+            if found[level]["rounds"]
+            else ""
+        )
+        for level in map(str, s["levels"])
+        if level in found
+    ]
+    lines += [
+        "",
+        f"Throughput, dflash2 serve / mlx_lm.server, by clients: {', '.join(text) or 'n/a'} (medians; "
+        f"each round's in brackets).",
+        f"Same answer from both servers (same prompt, level and round): {report['agreement']['same']} of "
+        f"{report['agreement']['compared']}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -375,17 +461,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default="math", help="a prompt suite (math, chat, code) or a JSONL file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     c = p.add_argument_group("--compare: dflash2 serve against mlx_lm.server")
-    c.add_argument("--compare", action="store_true", help="start both servers on the same target and run the "
-                   "clients against each alternately at every --levels; write --out .md and .json")
-    c.add_argument("--levels", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
-                   help="concurrent clients, comma-separated (default 1,2,4,8)")
+    c.add_argument(
+        "--compare",
+        action="store_true",
+        help="start both servers on the same target and run the "
+        "clients against each alternately at every --levels; write --out .md and .json",
+    )
+    c.add_argument(
+        "--levels",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 2, 4, 8],
+        help="concurrent clients, comma-separated (default 1,2,4,8)",
+    )
     c.add_argument("--model", help="the target (default: the default target); GGUF is converted for mlx_lm.server")
     c.add_argument("--draft-model", help="dflash2 serve's drafter (default: the bundled one)")
     c.add_argument("--verify-mode", help="dflash2 serve's --verify-mode (default: its own)")
-    c.add_argument("--serve-arg", action="append", default=[], help="one more argument for dflash2 serve "
-                   "(repeatable, e.g. --serve-arg=--block-size --serve-arg=8)")
-    c.add_argument("--trials", type=int, default=2, help="rounds per level, the servers alternating in ABBA "
-                   "order (default %(default)s)")
+    c.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="one more argument for dflash2 serve (repeatable, e.g. --serve-arg=--block-size --serve-arg=8)",
+    )
+    c.add_argument(
+        "--trials",
+        type=int,
+        default=2,
+        help="rounds per level, the servers alternating in ABBA order (default %(default)s)",
+    )
     c.add_argument("--out", default="load-vs-mlx-lm", help="report path without suffix (default %(default)s)")
     c.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to start")
     args = p.parse_args(argv)
@@ -397,13 +499,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_suite(args.prompts)
     url = urlparse(args.url)
     host, port = url.hostname, url.port or 80
-    turns, wall = run_clients(host, port, args.clients, args.requests, args.turns, args.max_tokens, prompts,
-                              args.timeout)
+    turns, wall = run_clients(
+        host, port, args.clients, args.requests, args.turns, args.max_tokens, prompts, args.timeout
+    )
     done = [r for results in turns for r in results if "error" not in r]
     errors = [r["error"] for results in turns for r in results if "error" in r]
     tokens = sum(r["usage"].get("completion_tokens", 0) for r in done)
-    print(f"{args.clients} clients x {args.requests} conversations x {args.turns} turns, max_tokens "
-          f"{args.max_tokens}: {len(done)} requests ok, {len(errors)} failed, {wall:.1f} s")
+    print(
+        f"{args.clients} clients x {args.requests} conversations x {args.turns} turns, max_tokens "
+        f"{args.max_tokens}: {len(done)} requests ok, {len(errors)} failed, {wall:.1f} s"
+    )
     print(f"throughput: {len(done) / wall:.2f} requests/s, {tokens / wall:.1f} completion tokens/s")
     print(f"latency: {percentiles([r['latency'] for r in done])}")
     for t, results in enumerate(turns):
@@ -412,10 +517,12 @@ def main(argv: list[str] | None = None) -> int:
         modes = sorted({r["dflash"].get("verify_mode") for r in ok})
         cached = [r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok]
         prompt = [r["usage"].get("prompt_tokens", 0) for r in ok]
-        print(f"turn {t + 1}: TTFT {percentiles([r['ttft'] for r in ok if r['ttft'] is not None])}"
-              f" (mean {statistics.mean([r['ttft'] for r in ok if r['ttft'] is not None] or [0]) * 1000:.0f} ms);"
-              f" prompt {statistics.mean(prompt or [0]):.0f} tokens, cached {statistics.mean(cached or [0]):.0f};"
-              f" tau {statistics.mean(taus) if taus else float('nan'):.2f}; verify mode {','.join(map(str, modes))}")
+        print(
+            f"turn {t + 1}: TTFT {percentiles([r['ttft'] for r in ok if r['ttft'] is not None])}"
+            f" (mean {statistics.mean([r['ttft'] for r in ok if r['ttft'] is not None] or [0]) * 1000:.0f} ms);"
+            f" prompt {statistics.mean(prompt or [0]):.0f} tokens, cached {statistics.mean(cached or [0]):.0f};"
+            f" tau {statistics.mean(taus) if taus else float('nan'):.2f}; verify mode {','.join(map(str, modes))}"
+        )
     for e in errors[:5]:
         print(f"error: {e}", file=sys.stderr)
     return 1 if errors else 0

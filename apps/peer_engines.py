@@ -62,8 +62,10 @@ def parse_engines(text: str | None) -> list[str]:
 def check_python(python: str) -> str:
     path = Path(python).expanduser()
     if not (path.is_file() and os.access(path, os.X_OK)):
-        raise ValueError(f"--peer-python {python}: no such interpreter; pass the python of an environment that "
-                         f"has the peers (e.g. a venv with `pip install {' '.join(ENGINES.values())}` and {MLX})")
+        raise ValueError(
+            f"--peer-python {python}: no such interpreter; pass the python of an environment that "
+            f"has the peers (e.g. a venv with `pip install {' '.join(ENGINES.values())}` and {MLX})"
+        )
     return str(path)
 
 
@@ -74,8 +76,12 @@ class PeerWorker:
         self.engine, self.python, self.log = engine, python, log
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [python, str(Path(__file__).with_name("peer_worker.py")), engine], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, env=env, text=True,
+                [python, str(Path(__file__).with_name("peer_worker.py")), engine],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                text=True,
             )
 
     def request(self, **request) -> dict:
@@ -140,11 +146,13 @@ def published_drafter(drafter, model, source: str, out: Path) -> str:
         mx.eval(weights)
         notes.append("selector codebooks expanded from the factorised form")
     if drafter.draft_vocab is not None:
-        notes.append(f"drafts over all {target.vocab_size:,} tokens (no draft vocabulary; ours: "
-                     f"{len(drafter.draft_vocab):,})")
+        notes.append(
+            f"drafts over all {target.vocab_size:,} tokens (no draft vocabulary; ours: {len(drafter.draft_vocab):,})"
+        )
     # dflash-mlx's config loader requires these two; the drafter never has an LM head of its own
-    config.update(dtype="float32", vocab_size=target.vocab_size, tie_word_embeddings=False,
-                  block_size=drafter.config.block_size)
+    config.update(
+        dtype="float32", vocab_size=target.vocab_size, tie_word_embeddings=False, block_size=drafter.config.block_size
+    )
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_weights(out, hf_names(weights, drafter.config))
@@ -175,8 +183,15 @@ class PeerEngines:
         self.folder = None
         self.peers: list[Peer] = []
 
-    def start(self, engines: list[str], python: str, model_arg: str | None, dtype: str | None, model,
-              drafters: list[tuple[str, object, str]]) -> list[Peer]:
+    def start(
+        self,
+        engines: list[str],
+        python: str,
+        model_arg: str | None,
+        dtype: str | None,
+        model,
+        drafters: list[tuple[str, object, str]],
+    ) -> list[Peer]:
         """drafters: (label, loaded drafter, its folder or hub id)."""
         self.folder = tempfile.TemporaryDirectory(prefix="dflash2-peers-")
         root = Path(self.folder.name)

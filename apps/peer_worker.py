@@ -43,16 +43,29 @@ class AuthorsEngine:
     def run(self, prompt, max_tokens, temp, block_size) -> dict:
         tokens, accepted, cycle_s, last = [], [], [], None
         tic = time.perf_counter()
-        for last in self.m.stream_generate(self.model, self.draft, self.tokenizer, prompt, block_size=block_size,
-                                           max_tokens=max_tokens, temperature=temp):
+        for last in self.m.stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            prompt,
+            block_size=block_size,
+            max_tokens=max_tokens,
+            temperature=temp,
+        ):
             tokens += last.tokens
             if last.accepted is not None:  # its `accepted` counts the tokens committed (bonus included; a last
                 # cycle cut by max_tokens counts fewer, where ours counts its accepted drafts: tau differs there)
                 accepted.append(last.accepted - 1)
                 cycle_s.append(time.perf_counter() - tic)
             tic = time.perf_counter()
-        return {"tokens": tokens, "accepted": accepted, "cycle_s": cycle_s, "generation_tps": last.generation_tps,
-                "prompt_tps": last.prompt_tps, "peak_memory_gb": last.peak_memory}
+        return {
+            "tokens": tokens,
+            "accepted": accepted,
+            "cycle_s": cycle_s,
+            "generation_tps": last.generation_tps,
+            "prompt_tps": last.prompt_tps,
+            "peak_memory_gb": last.peak_memory,
+        }
 
     def timings(self, prompt, block_size, repeats) -> dict:
         """The drafter pass and the target's verify pass of one steady-state cycle (one new context row),
@@ -127,10 +140,17 @@ class OmlxEngine:
             context = replace(context, diagnostics=DiagnosticsConfig(trace=TraceConfig(cycle_events=True)))
         bundle = self.target
         yield from stream_dflash_generate(
-            target_model=bundle.model, target_ops=bundle.target_ops, tokenizer=bundle.tokenizer,
-            draft_model=self.draft, draft_backend=EagerDraftBackend(), max_new_tokens=max_tokens,
-            block_tokens=block_size, stop_token_ids=get_stop_token_ids(bundle.tokenizer),
-            prompt_tokens_override=list(prompt), publish_generation_snapshot=False, runtime_context=context,
+            target_model=bundle.model,
+            target_ops=bundle.target_ops,
+            tokenizer=bundle.tokenizer,
+            draft_model=self.draft,
+            draft_backend=EagerDraftBackend(),
+            max_new_tokens=max_tokens,
+            block_tokens=block_size,
+            stop_token_ids=get_stop_token_ids(bundle.tokenizer),
+            prompt_tokens_override=list(prompt),
+            publish_generation_snapshot=False,
+            runtime_context=context,
         )
 
     def run(self, prompt, max_tokens, temp, block_size) -> dict:
@@ -151,19 +171,28 @@ class OmlxEngine:
                 summary = event
         prefill_s = summary.phase_timings_us.get("prefill", 0.0) / 1e6
         generation_s = summary.elapsed_us / 1e6 - prefill_s
-        return {"tokens": tokens, "accepted": list(summary.acceptance_history), "cycle_s": cycle_s,
-                "generation_tps": summary.generation_tokens / generation_s if generation_s > 0 else 0.0,
-                "prompt_tps": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
-                "peak_memory_gb": summary.peak_memory_gb or 0.0}
+        return {
+            "tokens": tokens,
+            "accepted": list(summary.acceptance_history),
+            "cycle_s": cycle_s,
+            "generation_tps": summary.generation_tokens / generation_s if generation_s > 0 else 0.0,
+            "prompt_tps": len(prompt) / prefill_s if prefill_s > 0 else 0.0,
+            "peak_memory_gb": summary.peak_memory_gb or 0.0,
+        }
 
     def timings(self, prompt, block_size, repeats) -> dict:
         """The drafter and verify phases of its cycles, as its own cycle profiler measures them."""
         from dflash_mlx.engine.events import CycleCompleteEvent
 
-        cycles = [e for e in self._events(prompt, repeats * block_size, block_size, profile=True)
-                  if isinstance(e, CycleCompleteEvent)]
-        return {"draft_s": statistics.median(c.draft_us for c in cycles) / 1e6,
-                "verify_s": statistics.median(c.verify_us for c in cycles) / 1e6}
+        cycles = [
+            e
+            for e in self._events(prompt, repeats * block_size, block_size, profile=True)
+            if isinstance(e, CycleCompleteEvent)
+        ]
+        return {
+            "draft_s": statistics.median(c.draft_us for c in cycles) / 1e6,
+            "verify_s": statistics.median(c.verify_us for c in cycles) / 1e6,
+        }
 
 
 def _cast(model, dtype: str | None) -> None:

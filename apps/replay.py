@@ -38,10 +38,14 @@ def calibration_line(label: str, block_max: int, firsts: list[tuple[float, bool]
     cells = []
     for k in range(5):
         hits = [ok for c, ok in firsts if k / 5 <= c < (k + 1) / 5 or (k == 4 and c >= 1.0)]
-        cells.append(f"{k / 5:.1f}-{(k + 1) / 5:.1f}: {sum(hits) / len(hits):.0%} of {len(hits)}" if hits
-                     else f"{k / 5:.1f}-{(k + 1) / 5:.1f}: none")
-    return (f"{label}: first drafts (blocks of {block_max}) accepted by the drafter's confidence in them: "
-            + ", ".join(cells))
+        cells.append(
+            f"{k / 5:.1f}-{(k + 1) / 5:.1f}: {sum(hits) / len(hits):.0%} of {len(hits)}"
+            if hits
+            else f"{k / 5:.1f}-{(k + 1) / 5:.1f}: none"
+        )
+    return f"{label}: first drafts (blocks of {block_max}) accepted by the drafter's confidence in them: " + ", ".join(
+        cells
+    )
 
 
 # How far `--replay-jitter` moves each point of the cost curve (uniformly, up or down).
@@ -59,13 +63,14 @@ def perturbed(costs: CostModel, seed: int, spread: float = JITTER) -> CostModel:
     return CostModel(list(itertools.accumulate(verify, max)), list(itertools.accumulate(draft, max)))
 
 
-def replay_prompt(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel,
-                  max_tokens: int):
+def replay_prompt(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel, max_tokens: int):
     """On `trace`: each fixed block's committed tokens per second relative to plain steps, adaptive mode's replay
     (`Replayed`), its own ratio to plain steps, and its ratio to the best of plain steps and the fixed blocks."""
     plain = 1 / costs.verify_s[0]
-    ratios = {B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, max_tokens).tokens_per_s / plain
-              for B in fixed}
+    ratios = {
+        B: replay(trace, block_policy(target, drafter, B, "dflash"), costs, max_tokens).tokens_per_s / plain
+        for B in fixed
+    }
     run = replay(trace, block_policy(target, drafter, block_max, "adaptive", costs), costs, max_tokens)
     adaptive = run.tokens_per_s / plain
     return ratios, run, adaptive, adaptive / max([1.0, *ratios.values()])
@@ -74,16 +79,20 @@ def replay_prompt(trace: Trace, target, drafter, fixed: list[int], block_max: in
 def jittered(trace: Trace, target, drafter, fixed: list[int], block_max: int, costs: CostModel, args) -> dict:
     """Adaptive mode against plain steps and against the best of plain and the fixed blocks on `trace`, each
     averaged over `args.replay_jitter` perturbed curves (`perturbed`, seeds 0..n-1)."""
-    replays = [replay_prompt(trace, target, drafter, fixed, block_max, perturbed(costs, seed), args.max_tokens)
-               for seed in range(args.replay_jitter)]
+    replays = [
+        replay_prompt(trace, target, drafter, fixed, block_max, perturbed(costs, seed), args.max_tokens)
+        for seed in range(args.replay_jitter)
+    ]
     return {"adaptive": statistics.mean(r[2] for r in replays), "vs_best": statistics.mean(r[3] for r in replays)}
 
 
 def jitter_line(label: str, n: int, per_prompt: list[dict]) -> str:
-    return (f"{label} on {n} curves within +-{JITTER:.0%} of this one (each prompt averaged over them): adaptive vs "
-            f"plain mean {statistics.mean(j['adaptive'] for j in per_prompt):.3f}x, worst "
-            f"{min(j['adaptive'] for j in per_prompt):.3f}x; vs the best of plain and fixed blocks mean "
-            f"{statistics.mean(j['vs_best'] for j in per_prompt):.3f}x, worst {min(j['vs_best'] for j in per_prompt):.3f}x")
+    return (
+        f"{label} on {n} curves within +-{JITTER:.0%} of this one (each prompt averaged over them): adaptive vs "
+        f"plain mean {statistics.mean(j['adaptive'] for j in per_prompt):.3f}x, worst "
+        f"{min(j['adaptive'] for j in per_prompt):.3f}x; vs the best of plain and fixed blocks mean "
+        f"{statistics.mean(j['vs_best'] for j in per_prompt):.3f}x, worst {min(j['vs_best'] for j in per_prompt):.3f}x"
+    )
 
 
 def load_traces(path: str | None) -> dict:
@@ -92,13 +101,17 @@ def load_traces(path: str | None) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not a traces file written by `dflash2 replay` ({e}); give another "
-                         "--traces (--replay-traces) path or delete it") from None
+        raise ValueError(
+            f"{path} is not a traces file written by `dflash2 replay` ({e}); give another "
+            "--traces (--replay-traces) path or delete it"
+        ) from None
 
 
 # What `--costs` reads: one curve as `CostModel` holds it (the costs cache holds them by key).
-CURVE_SHAPE = ('{"verify_s": [seconds of a target forward over 1, 2, ... tokens], "draft_s": [seconds of a drafter '
-               'pass for a block of 2, 3, ...]}')
+CURVE_SHAPE = (
+    '{"verify_s": [seconds of a target forward over 1, 2, ... tokens], "draft_s": [seconds of a drafter '
+    "pass for a block of 2, 3, ...]}"
+)
 
 
 def read_costs(path: str) -> dict[str, CostModel]:
@@ -122,8 +135,10 @@ def read_costs(path: str) -> dict[str, CostModel]:
     if isinstance(data, dict) and {"verify_s", "draft_s"} & data.keys():
         data = {"": data}
     if not isinstance(data, dict) or not data:
-        raise ValueError(f"--costs {path}: expected a cost curve {CURVE_SHAPE}, or an object of them by name (as "
-                         "the costs cache keeps them)")
+        raise ValueError(
+            f"--costs {path}: expected a cost curve {CURVE_SHAPE}, or an object of them by name (as "
+            "the costs cache keeps them)"
+        )
     curves = {}
     for name, curve in data.items():
         where = f"--costs {path}" + (f", curve {name!r}" if name else "")
@@ -133,10 +148,14 @@ def read_costs(path: str) -> dict[str, CostModel]:
             if key not in curve:
                 raise ValueError(f"{where}: no {key!r} key; a cost curve is {CURVE_SHAPE}")
             values = curve[key]
-            if not (isinstance(values, list) and values and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)):
-                raise ValueError(f"{where}: {key!r} must be a list of seconds (numbers > 0), got "
-                                 f"{json.dumps(values)[:80]}")
+            if not (
+                isinstance(values, list)
+                and values
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
+            ):
+                raise ValueError(
+                    f"{where}: {key!r} must be a list of seconds (numbers > 0), got {json.dumps(values)[:80]}"
+                )
         curves[name] = CostModel([float(v) for v in curve["verify_s"]], [float(v) for v in curve["draft_s"]])
     return curves
 
@@ -149,12 +168,16 @@ def pick_costs(curves: dict[str, CostModel], path: str, label: str, key: str, bl
     elif key in curves or label in curves:
         costs = curves[key] if key in curves else curves[label]
     else:
-        raise ValueError(f"--costs {path} holds {len(curves)} curves and none is keyed by {label}'s cost key "
-                         f"({key!r}) or its label: keep the one to replay on alone in the file")
+        raise ValueError(
+            f"--costs {path} holds {len(curves)} curves and none is keyed by {label}'s cost key "
+            f"({key!r}) or its label: keep the one to replay on alone in the file"
+        )
     if len(costs.verify_s) < block_max or costs.block_max < block_max:
-        raise ValueError(f"--costs {path}: the curve covers blocks up to {min(len(costs.verify_s), costs.block_max)} "
-                         f"tokens ({len(costs.verify_s)} in 'verify_s', {len(costs.draft_s)} in 'draft_s'), {label} "
-                         f"replays blocks up to {block_max}: it needs {block_max} and {block_max - 1}")
+        raise ValueError(
+            f"--costs {path}: the curve covers blocks up to {min(len(costs.verify_s), costs.block_max)} "
+            f"tokens ({len(costs.verify_s)} in 'verify_s', {len(costs.draft_s)} in 'draft_s'), {label} "
+            f"replays blocks up to {block_max}: it needs {block_max} and {block_max - 1}"
+        )
     return costs
 
 
@@ -175,8 +198,9 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
     for label, drafter in drafters:
         target = bind_drafter(drafter, model)
         block_max = resolve_block_size(drafter, None, "adaptive")
-        fixed = sorted({resolve_block_size(drafter, B) for B in asked if B <= block_max} or
-                       {resolve_block_size(drafter, None)})
+        fixed = sorted(
+            {resolve_block_size(drafter, B) for B in asked if B <= block_max} or {resolve_block_size(drafter, None)}
+        )
         if given:
             costs = pick_costs(given, args.costs, label, cost_key(target, drafter, block_max), block_max)
         else:
@@ -184,38 +208,68 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
         curves[label] = asdict(costs)
         sizes = sorted({*fixed, block_max})
         source = f"the cost curve in {args.costs}" if given else "this machine's cost curve"
-        lines += [f"{label} replayed at T = 0 on {source} (target forward over n tokens / one "
-                  f"plain step: {' '.join(f'{r:.2f}' for _, r in costs.curve())}; drafter pass "
-                  f"{costs.draft_s[0] / costs.verify_s[0]:.2f}-{costs.draft_s[-1] / costs.verify_s[0]:.2f} steps): "
-                  "committed tokens per second relative to plain steps, the same answers for every policy, the "
-                  "passes' costs only (the loop's own work left out)", ""]
-        lines += ["| drafter | prompt | tokens | " + " | ".join(f"B={B}" for B in fixed) +
-                  " | adaptive | plain % | cycles | vs best |", "|---|---|---|" + "---|" * (len(fixed) + 4)]
+        lines += [
+            f"{label} replayed at T = 0 on {source} (target forward over n tokens / one "
+            f"plain step: {' '.join(f'{r:.2f}' for _, r in costs.curve())}; drafter pass "
+            f"{costs.draft_s[0] / costs.verify_s[0]:.2f}-{costs.draft_s[-1] / costs.verify_s[0]:.2f} steps): "
+            "committed tokens per second relative to plain steps, the same answers for every policy, the "
+            "passes' costs only (the loop's own work left out)",
+            "",
+        ]
+        lines += [
+            "| drafter | prompt | tokens | "
+            + " | ".join(f"B={B}" for B in fixed)
+            + " | adaptive | plain % | cycles | vs best |",
+            "|---|---|---|" + "---|" * (len(fixed) + 4),
+        ]
         keys = trace_keys(target, drafter, prompts, args.max_tokens, sizes, walk)
         firsts = []  # (confidence, accepted) of every first draft of a block of block_max, all prompts
         for i, (prompt, key) in enumerate(zip(prompts, keys), 1):
             if known.get(key, {}).get("confidence"):  # kept without confidences (an older trace): recorded again
-                trace = Trace(known[key]["tokens"], {int(B): d for B, d in known[key]["drafts"].items()},
-                              {int(B): c for B, c in known[key]["confidence"].items()})
+                trace = Trace(
+                    known[key]["tokens"],
+                    {int(B): d for B, d in known[key]["drafts"].items()},
+                    {int(B): c for B, c in known[key]["confidence"].items()},
+                )
             else:
                 trace = record(target, drafter, prompt, args.max_tokens, sizes, eos, walk)
                 known[key] = asdict(trace)
-            firsts += [(c[0], trace.matches(j, block_max, 1) == [1.0])
-                       for j, c in enumerate(trace.confidence[block_max][: len(trace.tokens) - 1])]
-            ratios, run, adaptive, vs_best = replay_prompt(trace, target, drafter, fixed, block_max, costs,
-                                                           args.max_tokens)
+            firsts += [
+                (c[0], trace.matches(j, block_max, 1) == [1.0])
+                for j, c in enumerate(trace.confidence[block_max][: len(trace.tokens) - 1])
+            ]
+            ratios, run, adaptive, vs_best = replay_prompt(
+                trace, target, drafter, fixed, block_max, costs, args.max_tokens
+            )
             share = run.plain_steps / max(1, run.tokens - 1)
-            rows.append({"drafter": label, "prompt": i, "tokens": len(trace.tokens), "fixed": ratios,
-                         "adaptive": adaptive, "plain_share": share, "cycles": len(run.blocks),
-                         "probes": run.probes, "vs_best": vs_best})
+            rows.append(
+                {
+                    "drafter": label,
+                    "prompt": i,
+                    "tokens": len(trace.tokens),
+                    "fixed": ratios,
+                    "adaptive": adaptive,
+                    "plain_share": share,
+                    "cycles": len(run.blocks),
+                    "probes": run.probes,
+                    "vs_best": vs_best,
+                }
+            )
             if args.replay_jitter:
                 rows[-1]["jitter"] = jittered(trace, target, drafter, fixed, block_max, costs, args)
-            lines.append(f"| {label} | {i} | {len(trace.tokens)} | " + " | ".join(f"{r:.2f}x" for r in ratios.values())
-                         + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {vs_best:.2f}x |")
+            lines.append(
+                f"| {label} | {i} | {len(trace.tokens)} | "
+                + " | ".join(f"{r:.2f}x" for r in ratios.values())
+                + f" | {adaptive:.2f}x | {100 * share:.0f}% | {len(run.blocks)} | {vs_best:.2f}x |"
+            )
         mine = [r for r in rows if r["drafter"] == label]
-        lines += ["", f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
-                  f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "
-                  f"{min(r['vs_best'] for r in mine):.3f}x", ""]
+        lines += [
+            "",
+            f"{label}: adaptive vs plain mean {statistics.mean(r['adaptive'] for r in mine):.3f}x, worst "
+            f"{min(r['adaptive'] for r in mine):.3f}x; vs the best of plain and fixed blocks worst "
+            f"{min(r['vs_best'] for r in mine):.3f}x",
+            "",
+        ]
         if args.replay_jitter:
             lines += [jitter_line(label, args.replay_jitter, [r["jitter"] for r in mine]), ""]
         lines += [calibration_line(label, block_max, firsts), ""]
@@ -226,8 +280,9 @@ def replay_report(args, model, tokenizer, prompts: list[list[int]], drafters) ->
     write_markdown(args, text)
     if args.json:
         context = {**report_context(), "costs_file": args.costs}  # the curves themselves: "costs"
-        Path(args.json).write_text(json.dumps({"replay": rows, "block_sizes": asked, "costs": curves,
-                                               "context": context}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"replay": rows, "block_sizes": asked, "costs": curves, "context": context}, indent=1)
+        )
     return 0
 
 
@@ -244,19 +299,39 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", default="math", help="suites (code, chat, math, long; comma-separated) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts taken from each suite")
     p.add_argument("--max-tokens", type=int, default=128, help="length of each recorded answer, at most")
-    p.add_argument("--block-sizes",
-                   help="comma-separated fixed block sizes to replay (default: each drafter's default)")
-    p.add_argument("--walk", choices=["greedy", "viterbi"], default="greedy",
-                   help="the DFlash 2 path walk the drafts are recorded with (default greedy)")
-    p.add_argument("--traces", "--replay-traces", dest="replay_traces", metavar="FILE",
-                   help="keep the recorded answers and proposals here (JSON) and reuse them when they match")
-    p.add_argument("--costs", metavar="FILE",
-                   help="replay on the cost curve in this JSON file instead of this machine's (a costs cache such as "
-                   "~/.cache/dflash2/costs.json, one {\"verify_s\": [...], \"draft_s\": [...]} object, or a replay "
-                   "report's \"costs\")")
-    p.add_argument("--jitter", "--replay-jitter", dest="replay_jitter", type=int, default=0, metavar="N",
-                   help=f"also replay on N cost curves within +-{JITTER * 100:.0f}%% of the measured one and report "
-                   "adaptive mode averaged over them (a single curve's decisions swing by several percent)")
+    p.add_argument(
+        "--block-sizes", help="comma-separated fixed block sizes to replay (default: each drafter's default)"
+    )
+    p.add_argument(
+        "--walk",
+        choices=["greedy", "viterbi"],
+        default="greedy",
+        help="the DFlash 2 path walk the drafts are recorded with (default greedy)",
+    )
+    p.add_argument(
+        "--traces",
+        "--replay-traces",
+        dest="replay_traces",
+        metavar="FILE",
+        help="keep the recorded answers and proposals here (JSON) and reuse them when they match",
+    )
+    p.add_argument(
+        "--costs",
+        metavar="FILE",
+        help="replay on the cost curve in this JSON file instead of this machine's (a costs cache such as "
+        '~/.cache/dflash2/costs.json, one {"verify_s": [...], "draft_s": [...]} object, or a replay '
+        'report\'s "costs")',
+    )
+    p.add_argument(
+        "--jitter",
+        "--replay-jitter",
+        dest="replay_jitter",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"also replay on N cost curves within +-{JITTER * 100:.0f}%% of the measured one and report "
+        "adaptive mode averaged over them (a single curve's decisions swing by several percent)",
+    )
     p.add_argument("--json", metavar="OUT", help="write the rows, the block sizes and the cost curves here")
     p.add_argument("--markdown", metavar="OUT", help="write the report as markdown here")
     p.set_defaults(run=run, temp=None)  # greedy answers only: no --temp

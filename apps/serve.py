@@ -37,48 +37,102 @@ def add_parser(sub) -> None:
     common.add_model_args(p)
     common.add_sampling_args(p)
     d = ServeSettings()
-    p.add_argument("--host", default=d.host, help="address to bind (anything but loopback exposes the model; "
-                   "default %(default)s)")
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port, printed on stderr (default "
-                   "%(default)s)")
-    p.add_argument("--queue-size", type=int, default=d.queue_size,
-                   help="requests waiting beyond the running one; more get 503 (default %(default)s)")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="seconds a request may take, queueing included; past it the generation is stopped "
-                   "(default %(default)s)")
-    p.add_argument("--context-length", type=int, default=d.context_length,
-                   help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)")
-    p.add_argument("--prompt-cache", action=argparse.BooleanOptionalAction, default=d.prompt_cache,
-                   help="reuse cached sequences (the slots of earlier requests) for the prefix a request shares with "
-                   "one")
-    p.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
-                   help="prompt-cache slots: distinct sequences kept, least recently used dropped first, as "
-                   "mlx_lm.server's flag (default %(default)s)")
-    p.add_argument("--prompt-cache-bytes", type=byte_size, default=d.prompt_cache_bytes,
-                   help="the slots' byte budget, e.g. 4GB or 512MB, less what a running batch holds, as "
-                   "mlx_lm.server's flag (default: no bound but --prompt-cache-size)")
-    p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
-                   help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
-                   "at a time, always speculatively (default %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
-                   help="a key every client must send ('Authorization: Bearer KEY' or 'x-api-key: KEY'; else 401), "
-                   f"on every route but /health (default: ${API_KEY_VARIABLE}, else none; the variable keeps the key "
-                   "out of the process list)")
-    p.add_argument("--allowed-origins", type=origins, default=d.allowed_origins, metavar="ORIGIN,...",
-                   help="browser origins given CORS headers, comma-separated, e.g. http://localhost:3000, or '*' for "
-                   "any (default: none, so no web page can call the server)")
-    p.add_argument("--max-body-bytes", type=byte_size, default=d.max_body_bytes,
-                   help="longest request body, in bytes or e.g. 16MB; longer ones get 413 (default %(default)s)")
-    p.add_argument("--read-timeout", type=float, default=d.read_timeout,
-                   help="seconds a client has to send a request's headers and body; past it the connection is "
-                   "dropped (default %(default)s)")
-    p.add_argument("--chat-template-args", type=template_args, default=None, metavar="JSON",
-                   help="keyword arguments for the chat template, as mlx_lm.server's flag, e.g. "
-                   "'{\"enable_thinking\": false}'; a request's chat_template_kwargs update them")
+    p.add_argument(
+        "--host", default=d.host, help="address to bind (anything but loopback exposes the model; default %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=d.port, help="0 picks a free port, printed on stderr (default %(default)s)"
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=d.queue_size,
+        help="requests waiting beyond the running one; more get 503 (default %(default)s)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds a request may take, queueing included; past it the generation is stopped (default %(default)s)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=d.context_length,
+        help="longest prompt + max_tokens accepted (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--prompt-cache",
+        action=argparse.BooleanOptionalAction,
+        default=d.prompt_cache,
+        help="reuse cached sequences (the slots of earlier requests) for the prefix a request shares with one",
+    )
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=d.prompt_cache_size,
+        help="prompt-cache slots: distinct sequences kept, least recently used dropped first, as "
+        "mlx_lm.server's flag (default %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=byte_size,
+        default=d.prompt_cache_bytes,
+        help="the slots' byte budget, e.g. 4GB or 512MB, less what a running batch holds, as "
+        "mlx_lm.server's flag (default: no bound but --prompt-cache-size)",
+    )
+    p.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=d.decode_concurrency,
+        help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
+        "at a time, always speculatively (default %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE) or None,
+        help="a key every client must send ('Authorization: Bearer KEY' or 'x-api-key: KEY'; else 401), "
+        f"on every route but /health (default: ${API_KEY_VARIABLE}, else none; the variable keeps the key "
+        "out of the process list)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=origins,
+        default=d.allowed_origins,
+        metavar="ORIGIN,...",
+        help="browser origins given CORS headers, comma-separated, e.g. http://localhost:3000, or '*' for "
+        "any (default: none, so no web page can call the server)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=byte_size,
+        default=d.max_body_bytes,
+        help="longest request body, in bytes or e.g. 16MB; longer ones get 413 (default %(default)s)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=d.read_timeout,
+        help="seconds a client has to send a request's headers and body; past it the connection is "
+        "dropped (default %(default)s)",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        type=template_args,
+        default=None,
+        metavar="JSON",
+        help="keyword arguments for the chat template, as mlx_lm.server's flag, e.g. "
+        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs update them",
+    )
     p.add_argument("--model-id", help="the name clients use in 'model' (default: --model, or the default target's)")
-    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                   help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
-                   "as vLLM's); GET /v1/models lists them all, any other name gets a 404")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients may use in 'model', besides --model-id (repeatable or comma-separated, "
+        "as vLLM's); GET /v1/models lists them all, any other name gets a 404",
+    )
     common.add_sharding_args(p)
     p.set_defaults(run=run)
 
@@ -88,8 +142,10 @@ def origins(text: str) -> tuple[str, ...]:
     found = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
     bad = [o for o in found if o != "*" and "://" not in o]
     if not found or bad:
-        raise argparse.ArgumentTypeError(f"{text!r}: give origins as scheme://host[:port] (e.g. "
-                                         "http://localhost:3000), comma-separated, or '*' for any")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give origins as scheme://host[:port] (e.g. "
+            "http://localhost:3000), comma-separated, or '*' for any"
+        )
     return found
 
 
@@ -98,11 +154,13 @@ def template_args(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e}): give an object, e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: give one, e.g. "
-                                         "'{\"enable_thinking\": false}'")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object: give one, e.g. '{{\"enable_thinking\": false}}'"
+        )
     return value
 
 
@@ -112,8 +170,9 @@ def byte_size(text: str) -> int:
     try:
         return parse_size(text)
     except (KeyError, ArithmeticError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with M, MB, G or GB "
-                                         "(e.g. 512MB, 4GB)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes, or a number with M, MB, G or GB (e.g. 512MB, 4GB)"
+        ) from None
 
 
 def served_names(flags: list[str]) -> tuple[str, ...]:
@@ -126,13 +185,22 @@ def served_names(flags: list[str]) -> tuple[str, ...]:
 
 def settings_of(args) -> ServeSettings:
     """The server's settings from parsed `serve` arguments."""
-    return ServeSettings(host=args.host, port=args.port, queue_size=args.queue_size,
-                         request_timeout=args.request_timeout, context_length=args.context_length,
-                         prompt_cache=args.prompt_cache, prompt_cache_size=args.prompt_cache_size,
-                         prompt_cache_bytes=args.prompt_cache_bytes, decode_concurrency=args.decode_concurrency,
-                         api_key=args.api_key, allowed_origins=args.allowed_origins,
-                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                         chat_template_args=args.chat_template_args)
+    return ServeSettings(
+        host=args.host,
+        port=args.port,
+        queue_size=args.queue_size,
+        request_timeout=args.request_timeout,
+        context_length=args.context_length,
+        prompt_cache=args.prompt_cache,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        decode_concurrency=args.decode_concurrency,
+        api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
+        max_body_bytes=args.max_body_bytes,
+        read_timeout=args.read_timeout,
+        chat_template_args=args.chat_template_args,
+    )
 
 
 def build_server(args, loaded: tuple | None = None):
@@ -141,9 +209,15 @@ def build_server(args, loaded: tuple | None = None):
     settings = settings_of(args)
     names = served_names(args.served_model_name)  # before the model loads: a bad flag fails at once
     model, tokenizer, drafter = loaded or common.load_pair(args)
-    return build_app_server(model, tokenizer, drafter, model_id=args.model_id or args.model or DEFAULT_TARGET_NAME,
-                            defaults=GenerationArguments.from_kwargs(common.generation_kwargs(args)),
-                            settings=settings, served_names=names)
+    return build_app_server(
+        model,
+        tokenizer,
+        drafter,
+        model_id=args.model_id or args.model or DEFAULT_TARGET_NAME,
+        defaults=GenerationArguments.from_kwargs(common.generation_kwargs(args)),
+        settings=settings,
+        served_names=names,
+    )
 
 
 class Terminated(BaseException):
@@ -181,13 +255,20 @@ def run(args) -> int:
         also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
         print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
         if args.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):
-            print(f"[dflash2] {host} is reachable from other machines and no --api-key is set: anyone who reaches "
-                  "it can use the model", file=sys.stderr, flush=True)
+            print(
+                f"[dflash2] {host} is reachable from other machines and no --api-key is set: anyone who reaches "
+                "it can use the model",
+                file=sys.stderr,
+                flush=True,
+            )
         if app.sharded:
-            print(f"[dflash2] the target is sharded {app.sharded['mode']}-parallel over {app.sharded['processes']} "
-                  "processes: requests run one at a time (no batched decoding, which would run the model in one "
-                  "process)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[dflash2] the target is sharded {app.sharded['mode']}-parallel over {app.sharded['processes']} "
+                "processes: requests run one at a time (no batched decoding, which would run the model in one "
+                "process)",
+                file=sys.stderr,
+                flush=True,
+            )
         server.serve_forever()
     except Terminated:
         return 0

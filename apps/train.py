@@ -16,8 +16,12 @@ from dflash2_mlx.train.trainer import Trainer
 
 # `dflash2 train` flag -> (TrainSettings field, type, help); each default is the dataclass's, shown in --help.
 TRAIN_FLAGS = {
-    "--arch": ("architecture", str, "dflash2 or v1 (default dflash2; with --init-from: the folder's, and "
-               "dflash2 over a v1 folder warm-starts a DFlash 2 drafter from it)"),
+    "--arch": (
+        "architecture",
+        str,
+        "dflash2 or v1 (default dflash2; with --init-from: the folder's, and "
+        "dflash2 over a v1 folder warm-starts a DFlash 2 drafter from it)",
+    ),
     "--block-size": ("block_size", int, "block size the drafter is trained for"),
     "--layers": ("layers", int, "drafter layers"),
     "--steps": ("steps", int, "optimizer steps (the schedule's length; a longer value on resume stretches it)"),
@@ -29,19 +33,41 @@ TRAIN_FLAGS = {
     "--eval-every": ("eval_every", int, "steps between held-out evaluations (tau, first-draft accuracy)"),
     "--checkpoint-every": ("checkpoint_every", int, "steps between checkpoints"),
     "--seed": ("seed", int, "the batches and the initialization"),
-    "--init-from": ("init_from", str, "start from this drafter folder or hub id (its config replaces "
-                    "--block-size/--layers)"),
-    "--distill": ("distill", float, "weight of the loss to the target's top-8 next-token distribution (cached "
-                  "with the features); 0 = hard labels only"),
-    "--draft-vocab": ("draft_vocab", int, "train and draft over the N most frequent tokens of the training "
-                      "responses (the drafter's draft vocabulary: a smaller LM head in every training step and "
-                      "draft; the loss skips drafts of rarer tokens); default: every token of the training data"),
-    "--ema": ("ema", float, "decay of an exponential moving average of the weights (e.g. 0.999): the average is "
-              "what is evaluated and exported, the raw weights' tau is logged beside it; 0 = off"),
-    "--time-budget": ("time_budget", float, "minutes of wall time for this run: it stops there with a checkpoint, "
-                      "and rerunning the command continues"),
-    "--peer-timeout": ("peer_timeout", float, "under mlx.launch: seconds a rank waits for the others (to join, then at "
-                       "each step) before it stops with an error"),
+    "--init-from": (
+        "init_from",
+        str,
+        "start from this drafter folder or hub id (its config replaces --block-size/--layers)",
+    ),
+    "--distill": (
+        "distill",
+        float,
+        "weight of the loss to the target's top-8 next-token distribution (cached "
+        "with the features); 0 = hard labels only",
+    ),
+    "--draft-vocab": (
+        "draft_vocab",
+        int,
+        "train and draft over the N most frequent tokens of the training "
+        "responses (the drafter's draft vocabulary: a smaller LM head in every training step and "
+        "draft; the loss skips drafts of rarer tokens); default: every token of the training data",
+    ),
+    "--ema": (
+        "ema",
+        float,
+        "decay of an exponential moving average of the weights (e.g. 0.999): the average is "
+        "what is evaluated and exported, the raw weights' tau is logged beside it; 0 = off",
+    ),
+    "--time-budget": (
+        "time_budget",
+        float,
+        "minutes of wall time for this run: it stops there with a checkpoint, and rerunning the command continues",
+    ),
+    "--peer-timeout": (
+        "peer_timeout",
+        float,
+        "under mlx.launch: seconds a rank waits for the others (to join, then at "
+        "each step) before it stops with an error",
+    ),
 }
 
 
@@ -61,25 +87,44 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True)
     for flag, (name, kind, text) in TRAIN_FLAGS.items():
         default = defaults[name]
-        p.add_argument(flag, type=kind, dest=name, choices=["dflash2", "v1"] if name == "architecture" else None,
-                       help=text if default is None or name == "architecture" else f"{text} (default {default})")
+        p.add_argument(
+            flag,
+            type=kind,
+            dest=name,
+            choices=["dflash2", "v1"] if name == "architecture" else None,
+            help=text if default is None or name == "architecture" else f"{text} (default {default})",
+        )
     p.add_argument("--full-selector", action="store_true", help="V x R codebooks instead of factorised ones")
-    p.add_argument("--init-from-target", action="store_true",
-                   help="start the drafter's layers and final norm as the target's last layers")
-    p.add_argument("--feature-engine", choices=ENGINES, default="auto",
-                   help="what computes the feature cache: PyTorch in bfloat16 where the CPU has avx512_bf16 or AMX "
-                   "and PyTorch is installed (auto; a cache of its own), MLX elsewhere")
-    p.add_argument("--no-feature-cache", action="store_true",
-                   help="compute the target's features at every step instead of once into the data folder")
+    p.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start the drafter's layers and final norm as the target's last layers",
+    )
+    p.add_argument(
+        "--feature-engine",
+        choices=ENGINES,
+        default="auto",
+        help="what computes the feature cache: PyTorch in bfloat16 where the CPU has avx512_bf16 or AMX "
+        "and PyTorch is installed (auto; a cache of its own), MLX elsewhere",
+    )
+    p.add_argument(
+        "--no-feature-cache",
+        action="store_true",
+        help="compute the target's features at every step instead of once into the data folder",
+    )
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     given = {name: getattr(args, name) for name, _, _ in TRAIN_FLAGS.values() if getattr(args, name) is not None}
-    settings = TrainSettings(data=args.data, selector_factorized=not args.full_selector,
-                             cache_features=not args.no_feature_cache, init_from_target=args.init_from_target,
-                             feature_engine=args.feature_engine,
-                             **given)
+    settings = TrainSettings(
+        data=args.data,
+        selector_factorized=not args.full_selector,
+        cache_features=not args.no_feature_cache,
+        init_from_target=args.init_from_target,
+        feature_engine=args.feature_engine,
+        **given,
+    )
     peers = None
     if ranks.launched():
         check_world_size(settings, ranks.world_size())  # before any work

@@ -17,15 +17,20 @@ def tree_sim(args, model, drafters) -> int:
         raise ValueError(f"{args.tree_sim} holds no held-out samples: give a `dflash2 data` folder of this target")
     budgets = [int(b) for b in (args.tree_budgets or "1,2,4,8,16,32").split(",")]
     sizes = [int(b) for b in args.block_sizes.split(",")] if args.block_sizes else [None]
-    lines = [f"teacher-forced tau on {len(samples)} held-out samples of {args.tree_sim}", "",
-             "| drafter | B | blocks | linear | " + " | ".join(f"tree {b}" for b in budgets) + " |",
-             "|---|---|---|---|" + "---|" * len(budgets)]
+    lines = [
+        f"teacher-forced tau on {len(samples)} held-out samples of {args.tree_sim}",
+        "",
+        "| drafter | B | blocks | linear | " + " | ".join(f"tree {b}" for b in budgets) + " |",
+        "|---|---|---|---|" + "---|" * len(budgets),
+    ]
     for label, drafter in drafters:
         for B in sizes:
             sim = simulate_tree_acceptance(bind_drafter(drafter, model), drafter, samples, budgets, B)
             taus = [sum(sim["tree"][b]) / sim["blocks"] + 1 for b in budgets]
-            lines.append(f"| {label} | {B or drafter.config.block_size} | {sim['blocks']} | "
-                         f"{sum(sim['linear']) / sim['blocks'] + 1:.2f} | " + " | ".join(f"{t:.2f}" for t in taus) + " |")
+            lines.append(
+                f"| {label} | {B or drafter.config.block_size} | {sim['blocks']} | "
+                f"{sum(sim['linear']) / sim['blocks'] + 1:.2f} | " + " | ".join(f"{t:.2f}" for t in taus) + " |"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     write_markdown(args, text)
@@ -43,10 +48,22 @@ def add_parser(sub) -> None:
     p.add_argument("tree_sim", metavar="DATA", help="a `dflash2 data` folder made with this target")
     add_bench_model_args(p)
     p.add_argument("--block-sizes", help="comma-separated block sizes (default: each drafter's trained size)")
-    p.add_argument("--budgets", "--tree-budgets", dest="tree_budgets", metavar="LIST",
-                   help="comma-separated tree budgets (draft nodes per tree), a column each (default 1,2,4,8,16,32)")
-    p.add_argument("--samples", "--tree-sim-samples", dest="tree_sim_samples", type=int, default=8, metavar="N",
-                   help="held-out samples read (default 8)")
+    p.add_argument(
+        "--budgets",
+        "--tree-budgets",
+        dest="tree_budgets",
+        metavar="LIST",
+        help="comma-separated tree budgets (draft nodes per tree), a column each (default 1,2,4,8,16,32)",
+    )
+    p.add_argument(
+        "--samples",
+        "--tree-sim-samples",
+        dest="tree_sim_samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="held-out samples read (default 8)",
+    )
     p.add_argument("--markdown", metavar="OUT", help="write the table as markdown here")
     p.set_defaults(run=run)
 

@@ -46,8 +46,9 @@ class BlockPolicy(Protocol):
     def observe_unverified(self, first: float, seconds: float) -> None:
         """A cycle that verified no draft, its first draft scored `first` against the token committed."""
 
-    def observe_shadow(self, chain: Sequence[float], single: Sequence[float],
-                       confidence: Sequence[float] | None = None) -> None:
+    def observe_shadow(
+        self, chain: Sequence[float], single: Sequence[float], confidence: Sequence[float] | None = None
+    ) -> None:
         """A shadow probe's score."""
 
     def observe_plain(self, steps: int, seconds: float, probes: int = 0) -> None:
@@ -159,8 +160,14 @@ class AcceptanceEstimates:
         shrink: observations' worth of shrinkage toward the previous position's estimate (the first's: 1/2).
     """
 
-    def __init__(self, positions: int, prior: Sequence[float] | None = None, prior_weight: float = 3.0,
-                 decay: float = 0.8, shrink: float = 1.0):
+    def __init__(
+        self,
+        positions: int,
+        prior: Sequence[float] | None = None,
+        prior_weight: float = 3.0,
+        decay: float = 0.8,
+        shrink: float = 1.0,
+    ):
         prior = [] if prior is None else [float(a) for a in prior][:positions]
         self.hits = [prior_weight * a for a in prior] + [0.0] * (positions - len(prior))
         self.seen = [prior_weight] * len(prior) + [0.0] * (positions - len(prior))
@@ -263,8 +270,9 @@ class TurnDetector:
         """Forget the run of short cycles (plain steps broke it, or it was a turn)."""
         self.shortfall, self.reference = 1.0, None
 
-    def observe_cycle(self, B: int, accepted: int, acceptance: Sequence[float],
-                      calibrated: Sequence[float] | None) -> None:
+    def observe_cycle(
+        self, B: int, accepted: int, acceptance: Sequence[float], calibrated: Sequence[float] | None
+    ) -> None:
         """A cycle verifying B tokens accepted `accepted` drafts, where the estimates said `acceptance` and the rows'
         calibrated confidences `calibrated` (None: none)."""
         reference = self.reference or list(acceptance)
@@ -349,8 +357,10 @@ class AdaptiveBlocks:
 
     def __init__(self, costs: CostModel, config: AdaptiveConfig):
         if config.block_max > costs.block_max:
-            raise ValueError(f"the cost model covers blocks up to {costs.block_max}, not {config.block_max}: "
-                             "measure it for the larger block (`load_or_measure_costs`)")
+            raise ValueError(
+                f"the cost model covers blocks up to {costs.block_max}, not {config.block_max}: "
+                "measure it for the larger block (`load_or_measure_costs`)"
+            )
         n = config.block_max - 1
         self.costs, self.config, self.block_max = costs, config, config.block_max
         self.estimates = AcceptanceEstimates(n, config.prior, config.prior_weight, config.decay, config.shrink)
@@ -418,8 +428,9 @@ class AdaptiveBlocks:
         B = max(rates, key=rates.get)
         if B == 1 and self.drafting and (self.gain or 0.0) > 0:  # the cycles gain: draft on
             B = max((b for b in rates if b > 1), key=rates.get)
-        self.run = (min(2 * self.run, self.config.plain_run_max) if B == 1 and not self.drafting
-                    else self.config.plain_run)
+        self.run = (
+            min(2 * self.run, self.config.plain_run_max) if B == 1 and not self.drafting else self.config.plain_run
+        )
         self.drafting = B > 1
         return B
 
@@ -498,8 +509,9 @@ class AdaptiveBlocks:
         self._calibrate([first])
         self.clock.observe_cycle(1, seconds / self.costs.passes_s(1, self.drafted_block(1)))
 
-    def observe_shadow(self, chain: Sequence[float], single: Sequence[float],
-                       confidence: Sequence[float] | None = None) -> None:
+    def observe_shadow(
+        self, chain: Sequence[float], single: Sequence[float], confidence: Sequence[float] | None = None
+    ) -> None:
         """Count a shadow probe's score (`sampling.draft_acceptance`).
 
         Args:

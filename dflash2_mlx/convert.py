@@ -64,9 +64,7 @@ def convert(
     record = {"dtype": dtype, "converted_from": str(hf_path)}
     if quant is not None:
         if quantize_drafter(drafter, quant, min_quantized_size) == 0:
-            raise ValueError(
-                f"no tensor of this drafter is large enough to quantize ({quant}); convert it unquantized"
-            )
+            raise ValueError(f"no tensor of this drafter is large enough to quantize ({quant}); convert it unquantized")
         record["quantization"] = str(quant)
     out = Path(mlx_path)
     _fresh_folder(out, source)
@@ -112,8 +110,7 @@ def export(mlx_path: str, hf_path: str | Path, dtype: str = "bfloat16") -> Path:
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in dequantized(drafter).items()}
     if "quantization" in mlx_record:
         config["dflash2_mlx_note"] = (
-            f"dequantized from a {mlx_record['quantization']} MLX drafter: the weights carry its "
-            "quantization error"
+            f"dequantized from a {mlx_record['quantization']} MLX drafter: the weights carry its quantization error"
         )
     config["dtype"] = dtype
     out = Path(hf_path)
@@ -143,10 +140,14 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
     config, raw = drafter.config, json.loads((source / "config.json").read_text())
     notes = []
     if drafter.draft_vocab is not None:
-        logger.warning("the drafter's draft vocabulary (%d tokens) is dropped: %s drafts from every token",
-                       len(drafter.draft_vocab), serving.engine(engine).name)
-        notes.append(f"its draft vocabulary ({len(drafter.draft_vocab)} tokens) dropped: drafts come from the "
-                     "whole vocabulary")
+        logger.warning(
+            "the drafter's draft vocabulary (%d tokens) is dropped: %s drafts from every token",
+            len(drafter.draft_vocab),
+            serving.engine(engine).name,
+        )
+        notes.append(
+            f"its draft vocabulary ({len(drafter.draft_vocab)} tokens) dropped: drafts come from the whole vocabulary"
+        )
         drafter.draft_vocab = None
     bound = None
     if target is not None:
@@ -167,11 +168,14 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
             projection = weights.pop(f"candidate_selector.{side}_projection.weight")
             weights[f"candidate_selector.{side}_codebook.weight"] = _expanded(projection, bound.embed_tokens)
     if config.is_dflash2 and not resolved.logits_known:
-        logger.warning("no target given: where the drafter leaves its logit multiplier or softcap to the target, the "
-                       "export assumes the target has none")
+        logger.warning(
+            "no target given: where the drafter leaves its logit multiplier or softcap to the target, the "
+            "export assumes the target has none"
+        )
     if "quantization" in raw.get("mlx", {}):
-        notes.append(f"dequantized from a {raw['mlx']['quantization']} MLX drafter: the weights carry its "
-                     "quantization error")
+        notes.append(
+            f"dequantized from a {raw['mlx']['quantization']} MLX drafter: the weights carry its quantization error"
+        )
     weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
     names = hf_names(weights, replace(config, architecture=serving.ARCHITECTURES[serving.kind(config)]))
     cfg = serving.serving_config(engine, config, resolved, note="; ".join(notes) or None)
@@ -183,9 +187,11 @@ def export_for(mlx_path: str, hf_path: str | Path, engine: str, target=None) -> 
         shutil.copy(source / "LICENSE", out / "LICENSE")
     if (source / "README.md").is_file():  # what the card says, and what changed on the way
         changes = "".join(f"\n- {note}" for note in notes)
-        (out / "README.md").write_text((source / "README.md").read_text().rstrip("\n") + "\n\n## Exported for "
-                                       f"{serving.engine(engine).name}\n\n- by `dflash2 export --for {engine}`: "
-                                       f"bfloat16, the engine's names and config fields{changes}\n")
+        (out / "README.md").write_text(
+            (source / "README.md").read_text().rstrip("\n") + "\n\n## Exported for "
+            f"{serving.engine(engine).name}\n\n- by `dflash2 export --for {engine}`: "
+            f"bfloat16, the engine's names and config fields{changes}\n"
+        )
     problems = serving.check_folder(engine, out)
     if problems:  # a bug here, never the user's input
         raise RuntimeError(f"the {engine} export in {out} breaks the engine's layout: {problems[:4]}")
@@ -196,14 +202,24 @@ def _resolve(config, bound) -> serving.Resolved:
     """The drafter's vocabulary, embedding scale and logit settings as it runs on its target (the config's
     own where it sets them, else the target's; without a target, what the config says)."""
     if bound is None:
-        return serving.Resolved(config.vocab_size, config.num_target_layers, config.input_embedding_scale,
-                                config.output_multiplier, config.final_logit_softcapping,
-                                logits_known=None not in (config.output_multiplier, config.final_logit_softcapping))
+        return serving.Resolved(
+            config.vocab_size,
+            config.num_target_layers,
+            config.input_embedding_scale,
+            config.output_multiplier,
+            config.final_logit_softcapping,
+            logits_known=None not in (config.output_multiplier, config.final_logit_softcapping),
+        )
     multiplier = config.output_multiplier if config.output_multiplier is not None else bound.logit_multiplier
     softcap = config.final_logit_softcapping if config.final_logit_softcapping is not None else bound.logit_softcap
-    return serving.Resolved(bound.vocab_size, config.num_target_layers or bound.num_layers,
-                            config.input_embedding_scale * bound.embed_scale, float(multiplier), softcap or None,
-                            logits_known=True)
+    return serving.Resolved(
+        bound.vocab_size,
+        config.num_target_layers or bound.num_layers,
+        config.input_embedding_scale * bound.embed_scale,
+        float(multiplier),
+        softcap or None,
+        logits_known=True,
+    )
 
 
 def _expanded(projection: mx.array, embed, rows: int = 8192) -> mx.array:

@@ -92,8 +92,14 @@ def _interpolate(points: list[int], seconds: list[float]) -> list[float]:
     return [float(s) for s in np.interp(np.arange(points[0], points[-1] + 1), points, seconds)]
 
 
-def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE_CONTEXT_TOKENS,
-                  repeats: int = 5, verify_max: int | None = None) -> CostModel:
+def measure_costs(
+    target,
+    drafter,
+    block_max: int,
+    context_tokens: int = MEASURE_CONTEXT_TOKENS,
+    repeats: int = 5,
+    verify_max: int | None = None,
+) -> CostModel:
     """Time the target's forward over 1..verify_max tokens and the drafter's pass up to block_max.
 
     A forward over more tokens never costs less than one over fewer: timing noise that says otherwise is
@@ -132,8 +138,9 @@ def measure_costs(target, drafter, block_max: int, context_tokens: int = MEASURE
 
         points = verify_points(block_max, verify_max)
         draft_sizes = sorted({2, block_max})  # the drafter's pass grows little with B: timed at the ends only
-        seconds = _best_seconds([partial(verify, n) for n in points] + [partial(draft, B) for B in draft_sizes],
-                                repeats)
+        seconds = _best_seconds(
+            [partial(verify, n) for n in points] + [partial(draft, B) for B in draft_sizes], repeats
+        )
     verify_s = _interpolate(points, list(itertools.accumulate(seconds[: len(points)], max)))
     draft_s = _interpolate(draft_sizes, list(itertools.accumulate(seconds[len(points) :], max)))
     return CostModel(verify_s, draft_s)
@@ -149,12 +156,19 @@ def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> 
     cfg = drafter.config
     weight = target.embed_tokens.weight
     parts = [
-        target.fingerprint(), str(weight.dtype), target.model_type, str(target.num_layers),
-        f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} "
-        f"{drafter.kind}",
+        target.fingerprint(),
+        str(weight.dtype),
+        target.model_type,
+        str(target.num_layers),
+        f"drafter {cfg.num_hidden_layers}x{cfg.hidden_size} {drafter.norm.weight.dtype} {drafter.kind}",
         f"B<={block_max}" + (f" verify<={verify_max}" if verify_max and verify_max > block_max else ""),
-        platform.machine(), platform.processor() or "", str(os.cpu_count()),
-        "metal" if mx.metal.is_available() else "cpu", blas(), backend_name(drafter.metal_kernels), mx.__version__,
+        platform.machine(),
+        platform.processor() or "",
+        str(os.cpu_count()),
+        "metal" if mx.metal.is_available() else "cpu",
+        blas(),
+        backend_name(drafter.metal_kernels),
+        mx.__version__,
     ]
     return " | ".join(parts)
 
@@ -197,6 +211,9 @@ def forget_costs(target, drafter, block_max: int) -> None:
     key, path = cost_key(target, drafter, block_max), _cache_file()
     known = _read_costs(path)
     if known.pop(key, None) is not None:
-        logger.info("the cached cycle costs of %s no longer match this machine; they will be measured again "
-                    "where they are next loaded", target.model_type)
+        logger.info(
+            "the cached cycle costs of %s no longer match this machine; they will be measured again "
+            "where they are next loaded",
+            target.model_type,
+        )
         _write_costs(path, known)

@@ -25,11 +25,30 @@ from .adaptive import AdaptiveBlocks, BlockPolicy, FixedBlocks
 from .drafter import DFlashDraftModel
 from .lookup import CopySpec, LookupConfig, Match, branch_tree, graft, leading_matches, one_hot_proposal, verifies_trees
 from .prompt_cache import PromptCache
-from .sampling import (LogitsProcessor, Processing, Proposal, Sampler, SamplingParams, accept, draft_acceptance,
-                       log_softmax, processing, sample)
+from .sampling import (
+    LogitsProcessor,
+    Processing,
+    Proposal,
+    Sampler,
+    SamplingParams,
+    accept,
+    draft_acceptance,
+    log_softmax,
+    processing,
+    sample,
+)
 from .target import Capture, Target
-from .tree import (V1_TOP_K, accept_tree, build_tree, check_cache, check_target, draft_log_probs, keep_path_first,
-                   process_tree_rows, tree_attention)
+from .tree import (
+    V1_TOP_K,
+    accept_tree,
+    build_tree,
+    check_cache,
+    check_target,
+    draft_log_probs,
+    keep_path_first,
+    process_tree_rows,
+    tree_attention,
+)
 
 
 # MLX's cached buffers are freed after the first token and then every CLEAR_EVERY tokens, as mlx-lm's loop does:
@@ -55,8 +74,12 @@ class Step(NamedTuple):
 
 
 def plain_steps(
-    target: Target, prompt: mx.array, params: SamplingParams, prefill_step_size: int = 2048,
-    prompt_cache: PromptCache | None = None, logits_processors: list[LogitsProcessor] | None = None,
+    target: Target,
+    prompt: mx.array,
+    params: SamplingParams,
+    prefill_step_size: int = 2048,
+    prompt_cache: PromptCache | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
     sampler: Sampler | None = None,
 ) -> Iterator[Step]:
     """One target forward per token; the next token is computed while the caller reads this one.
@@ -113,8 +136,22 @@ def dflash_steps(
             match = _lookup(spec, blocks, _left(max_tokens, produced))
             if B == 1 and match is None:  # plain steps until drafting or a lookup pays; the cycle then starts
                 anchor, context, produced, B, clear_at = yield from _plain_run(  # from the run's last token
-                    tap, cache, drafter, draft_cache, commit, spec, blocks, params, procs, walk, max_tokens,
-                    anchor, context, produced, clear_at)
+                    tap,
+                    cache,
+                    drafter,
+                    draft_cache,
+                    commit,
+                    spec,
+                    blocks,
+                    params,
+                    procs,
+                    walk,
+                    max_tokens,
+                    anchor,
+                    context,
+                    produced,
+                    clear_at,
+                )
                 B = B if max_tokens is None or B == 1 else max(2, min(B, max_tokens - produced + 1))
                 match, tic = _lookup(spec, blocks, _left(max_tokens, produced)), time.perf_counter()
                 if B == 1 and match is None:  # the lookup that ended the run broke with the run's last token
@@ -122,17 +159,26 @@ def dflash_steps(
             if B == 1 or match is not None and not spec.trees and spec.lookup_wins(match):
                 # The lookup alone, no drafter pass: the rows' features wait for the drafter's next pass.
                 tokens, a, rows, features = _verify_lookup(tap, cache, anchor, match, spec, params, procs, metal)
-                anchor, context, produced = mx.array(tokens[-1], anchor.dtype), mx.concatenate([context, features]), produced + a + 1
-                yield commit(Step(tokens, a, False, len(match.tokens) + 1, logprobs=log_softmax(rows), branch="lookup"),
-                             [context])
+                anchor, context, produced = (
+                    mx.array(tokens[-1], anchor.dtype),
+                    mx.concatenate([context, features]),
+                    produced + a + 1,
+                )
+                yield commit(
+                    Step(tokens, a, False, len(match.tokens) + 1, logprobs=log_softmax(rows), branch="lookup"),
+                    [context],
+                )
                 tic = time.perf_counter()
                 continue
             # Draft: one drafter pass over [anchor, mask * ...] (a block of `blocks.drafted_block(B)`), B-1 drafts kept:
             # adaptive mode picks B again from the rows' confidences (a host read), fixed blocks keep it.
-            proposal = drafter.propose(drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache,
-                                       params, walk)
+            proposal = drafter.propose(
+                drafter.input_block(anchor, blocks.drafted_block(B)), context[None], draft_cache, params, walk
+            )
             B = blocks.verified_block(B, proposal.confidence, _left(max_tokens, produced))
-            if B == 1:  # no draft worth verifying: the lookup alone, or a plain step; its first token scores the first draft
+            if (
+                B == 1
+            ):  # no draft worth verifying: the lookup alone, or a plain step; its first token scores the first draft
                 if match is None:
                     logits, features = tap.forward(anchor.reshape(1), cache)
                     anchor, row = _choose(logits[-1], params, procs)
@@ -146,13 +192,24 @@ def dflash_steps(
                 produced += a + 1
                 blocks.observe_unverified(first.item(), time.perf_counter() - tic)
                 context = features  # the drafter's pass took the context before
-                yield commit(Step(tokens, None if match is None else a, False, 1 if match is None else len(match.tokens) + 1,
-                                  logprobs=log_softmax(rows), branch=None if match is None else "lookup"), [context])
+                yield commit(
+                    Step(
+                        tokens,
+                        None if match is None else a,
+                        False,
+                        1 if match is None else len(match.tokens) + 1,
+                        logprobs=log_softmax(rows),
+                        branch=None if match is None else "lookup",
+                    ),
+                    [context],
+                )
                 tic = time.perf_counter()
                 continue
             proposal = proposal.first(B - 1)
             if match is None or not spec.trees:  # the drafter's path alone: one target pass over [anchor, drafts]
-                tokens, a, finite, drafts, rows, context = _verify_line(tap, cache, anchor, proposal, params, procs, metal)
+                tokens, a, finite, drafts, rows, context = _verify_line(
+                    tap, cache, anchor, proposal, params, procs, metal
+                )
                 branch, match = None, None
             else:  # both branches in one tree pass, the shared prefix fed once; the longer accepted one is kept
                 drafts = mx.concatenate([proposal.finite[None].astype(proposal.tokens.dtype), proposal.tokens]).tolist()
@@ -169,10 +226,23 @@ def dflash_steps(
             tic = time.perf_counter()
 
 
-def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache: list, commit,
-               spec: CopySpec | None, blocks: AdaptiveBlocks, params: SamplingParams, procs: Processing | None,
-               walk: str, max_tokens: int | None, anchor: mx.array, context: mx.array, produced: int,
-               clear_at: int) -> Generator[Step, None, tuple[mx.array, mx.array, int, int, int]]:
+def _plain_run(
+    tap: Capture,
+    cache: list,
+    drafter: DFlashDraftModel,
+    draft_cache: list,
+    commit,
+    spec: CopySpec | None,
+    blocks: AdaptiveBlocks,
+    params: SamplingParams,
+    procs: Processing | None,
+    walk: str,
+    max_tokens: int | None,
+    anchor: mx.array,
+    context: mx.array,
+    produced: int,
+    clear_at: int,
+) -> Generator[Step, None, tuple[mx.array, mx.array, int, int, int]]:
     """Plain steps from `anchor` (a run chosen by adaptive mode), until `blocks` picks a block to draft again or
     a lookup (`spec`) is worth verifying.
 
@@ -191,8 +261,9 @@ def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache
     timed_from, timed, B, copying = None, 0, 1, False
     while B == 1 and not copying:
         run = blocks.plain_run(None if max_tokens is None else max_tokens - produced)
-        shadow = drafter.propose(drafter.input_block(anchor, blocks.block_max),
-                                 mx.concatenate(pending[:-1])[None], draft_cache, params, walk)
+        shadow = drafter.propose(
+            drafter.input_block(anchor, blocks.block_max), mx.concatenate(pending[:-1])[None], draft_cache, params, walk
+        )
         mx.async_eval([a for a in shadow if a is not None])
         del pending[:-1]
         drawn, logits = [], []
@@ -217,8 +288,12 @@ def _plain_run(tap: Capture, cache: list, drafter: DFlashDraftModel, draft_cache
             else:
                 timed += 1
             copying = _lookup(spec, blocks, _left(max_tokens, produced + i + 1)) is not None
-            if copying or scoring and i < run - 1 and blocks.drafting_wins(
-                    None if max_tokens is None else max_tokens - produced - i):
+            if (
+                copying
+                or scoring
+                and i < run - 1
+                and blocks.drafting_wins(None if max_tokens is None else max_tokens - produced - i)
+            ):
                 run = i + 1  # a lookup is worth verifying, or the probe says drafting pays now: the run ends here
                 break
         produced += run
@@ -285,8 +360,9 @@ def tree_steps(
             anchor = tokens[-1]
             produced += len(path)
             branch = None if match is None else "lookup" if max(path) >= drafted else "drafter"
-            yield commit(Step(tokens, len(path) - 1, not finite, B, logprobs=log_softmax(rows), branch=branch),
-                         [context])
+            yield commit(
+                Step(tokens, len(path) - 1, not finite, B, logprobs=log_softmax(rows), branch=branch), [context]
+            )
 
 
 def _committer(state: PromptCache, spec: CopySpec | None):
@@ -297,6 +373,7 @@ def _committer(state: PromptCache, spec: CopySpec | None):
     def commit(step: Step, pending: list) -> Step:
         spec.index.extend(step.tokens)
         return state.commit(step, pending)
+
     return commit
 
 
@@ -317,8 +394,15 @@ def _lookup(spec: CopySpec | None, blocks: BlockPolicy, left: int | None) -> Mat
     return match._replace(tokens=match.tokens[:n]) if n else None
 
 
-def _verify_line(tap: Capture, cache: list, anchor: mx.array, proposal: Proposal, params: SamplingParams,
-                 procs: Processing | None, metal: bool):
+def _verify_line(
+    tap: Capture,
+    cache: list,
+    anchor: mx.array,
+    proposal: Proposal,
+    params: SamplingParams,
+    procs: Processing | None,
+    metal: bool,
+):
     """One target pass over [anchor, drafts], accepted by `sampling.accept`; the cache keeps the committed rows.
 
     Returns:
@@ -341,12 +425,21 @@ def _verify_line(tap: Capture, cache: list, anchor: mx.array, proposal: Proposal
     return tokens, a, bool(result[2]), drafts, rows[: a + 1], verified.features[: a + 1]
 
 
-def _verify_lookup(tap: Capture, cache: list, anchor: mx.array, match: Match, spec: CopySpec,
-                   params: SamplingParams, procs: Processing | None, metal: bool):
+def _verify_lookup(
+    tap: Capture,
+    cache: list,
+    anchor: mx.array,
+    match: Match,
+    spec: CopySpec,
+    params: SamplingParams,
+    procs: Processing | None,
+    metal: bool,
+):
     """A lookup's drafts alone, verified as a one-hot proposal and counted by `spec`: (the committed tokens, the
     drafts accepted, their rows, their features)."""
-    tokens, a, _, _, rows, features = _verify_line(tap, cache, anchor, one_hot_proposal(match.tokens), params, procs,
-                                                   metal)
+    tokens, a, _, _, rows, features = _verify_line(
+        tap, cache, anchor, one_hot_proposal(match.tokens), params, procs, metal
+    )
     spec.observe(match, tokens, None)
     return tokens, a, rows, features
 
@@ -376,8 +469,9 @@ def _free_buffers(produced: int, clear_at: int) -> int:
     return produced + CLEAR_EVERY
 
 
-def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None,
-            sampler: Sampler | None = None) -> tuple[mx.array, mx.array]:
+def _choose(
+    logits: mx.array, params: SamplingParams, procs: Processing | None, sampler: Sampler | None = None
+) -> tuple[mx.array, mx.array]:
     """(the next token, the row [V] it is drawn from) from `logits` [V], processed first if there are processors
     (the token then committed to them); drawn by `sampler` from the row's log-probabilities if one is given."""
     row = logits if procs is None else procs.row(logits)
@@ -387,8 +481,9 @@ def _choose(logits: mx.array, params: SamplingParams, procs: Processing | None,
     return token, row
 
 
-def _plain_step(tap: Capture, cache: list, token: mx.array, params: SamplingParams, procs: Processing | None,
-                keep_features: list) -> tuple[mx.array, mx.array]:
+def _plain_step(
+    tap: Capture, cache: list, token: mx.array, params: SamplingParams, procs: Processing | None, keep_features: list
+) -> tuple[mx.array, mx.array]:
     """Feed `token` (a plain step inside a speculative generation) and schedule it: returns (the next token, the
     row it is drawn from: processed, with processors), both lazy, and appends the fed row's features to
     `keep_features` (for the drafter's next context)."""

@@ -76,8 +76,10 @@ def init_group(backend: str = "any", timeout: float = CONNECT_TIMEOUT) -> mx.dis
     within `timeout` seconds ends with a message naming the hostfile."""
     group = connect(timeout, backend, command="generate")
     if group.size() < 2:
-        raise ValueError("a sharded target needs at least two processes, and this one is alone: start them with "
-                         "mlx.launch (--hostfile hosts.json, or -n 2 on one machine)")
+        raise ValueError(
+            "a sharded target needs at least two processes, and this one is alone: start them with "
+            "mlx.launch (--hostfile hosts.json, or -n 2 on one machine)"
+        )
     return group
 
 
@@ -86,15 +88,19 @@ def check_same(group: mx.distributed.Group, items: dict[str, str], timeout: floa
     an error, raised on every rank."""
     digests = b"".join(hashlib.sha256(text.encode()).digest() for text in items.values())
     mine = mx.array(np.frombuffer(digests, np.uint8).astype(np.int32))[None]
-    with deadline(timeout, f"dflash2: error: the other processes did not answer within {timeout:g} s while "
-                  "comparing what each loaded"):
+    with deadline(
+        timeout,
+        f"dflash2: error: the other processes did not answer within {timeout:g} s while comparing what each loaded",
+    ):
         every = np.array(mx.distributed.all_gather(mine, group=group))
     every = every.reshape(group.size(), len(items), 32)
     for j, name in enumerate(items):
         differ = [r for r in range(group.size()) if (every[r, j] != every[0, j]).any()]
         if differ:
-            raise ValueError(f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} loaded a different "
-                             f"{name} from rank 0's: every process must load the same files")
+            raise ValueError(
+                f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} loaded a different "
+                f"{name} from rank 0's: every process must load the same files"
+            )
 
 
 def drafter_checksum(drafter: DFlashDraftModel) -> str:
@@ -120,18 +126,34 @@ def check_shardable(model: nn.Module, mode: str) -> None:
     if (mode == "pipeline" and pipeline) or (mode == "tensor" and tensor):
         return
     other = ("--tensor-parallel" if tensor else None) if mode == "pipeline" else ("--pipeline" if pipeline else None)
-    how = ("no model.model.pipeline(), and its forward is not qwen3's or llama's, which dflash2 pipelines"
-           if mode == "pipeline" else "no model.shard()")
-    raise ValueError(f"mlx-lm {version('mlx-lm')} cannot shard {kind} models {mode}-parallel ({how}); "
-                     + (f"use {other} instead" if other else "it cannot shard this architecture at all"))
+    how = (
+        "no model.model.pipeline(), and its forward is not qwen3's or llama's, which dflash2 pipelines"
+        if mode == "pipeline"
+        else "no model.shard()"
+    )
+    raise ValueError(
+        f"mlx-lm {version('mlx-lm')} cannot shard {kind} models {mode}-parallel ({how}); "
+        + (f"use {other} instead" if other else "it cannot shard this architecture at all")
+    )
 
 
 def _pipeline_load(model: str, group: mx.distributed.Group):
     """(this process's stage, tokenizer) of a target whose mlx-lm model has no pipeline: what mlx-lm's
     `sharded_load` does for a pipeline (only the files of this stage's layers fetched and read), with
     `patches.pipeline_stage` applied before `model.model.pipeline(group)`."""
-    path = resolve_path(model, allow_patterns=["*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model",
-                                               "*.txt", "*.jsonl", "*.jinja"])
+    path = resolve_path(
+        model,
+        allow_patterns=[
+            "*.json",
+            "*.py",
+            "tokenizer.model",
+            "*.tiktoken",
+            "tiktoken.model",
+            "*.txt",
+            "*.jsonl",
+            "*.jinja",
+        ],
+    )
 
     def stage():
         lazy, config = load_model(path, lazy=True, strict=False)
@@ -199,8 +221,9 @@ class ShardedTarget(Target):
     """This process's part of a sharded target (`load`). On rank 0 it is what `stream_generate` takes as its
     model (with the drafter, bound by `load`); the other ranks `follow` it."""
 
-    def __init__(self, model: nn.Module, group: mx.distributed.Group, mode: str,
-                 drafter: DFlashDraftModel | None = None):
+    def __init__(
+        self, model: nn.Module, group: mx.distributed.Group, mode: str, drafter: DFlashDraftModel | None = None
+    ):
         super().__init__(model, drafter.config.target_layer_ids if drafter is not None else ())
         if mode not in MODES:
             raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
@@ -255,8 +278,9 @@ class ShardedTarget(Target):
         n = count if tokens is None else tokens.size
         ids = mx.zeros((0,), mx.int32) if tokens is None else tokens.reshape(-1).astype(mx.int32)
         inline = ids if n <= MESSAGE_IDS else ids[:0]
-        message = mx.concatenate([mx.array([op, key, n], mx.int32), inline,
-                                  mx.zeros((MESSAGE_IDS - inline.size,), mx.int32)])
+        message = mx.concatenate(
+            [mx.array([op, key, n], mx.int32), inline, mx.zeros((MESSAGE_IDS - inline.size,), mx.int32)]
+        )
         mx.eval(self._broadcast(message))
         if n > MESSAGE_IDS and tokens is not None:
             mx.eval(self._broadcast(ids))
@@ -324,8 +348,11 @@ class ShardedTarget(Target):
             return None
         if self.mode == "tensor":
             return features[0].astype(self._dtype) @ self._fc.T
-        share = (mx.zeros((logits.shape[0], self.hidden_size), self._dtype) if features is None
-                 else features[0].astype(self._dtype) @ self._fc.T)
+        share = (
+            mx.zeros((logits.shape[0], self.hidden_size), self._dtype)
+            if features is None
+            else features[0].astype(self._dtype) @ self._fc.T
+        )
         return mx.distributed.all_sum(mx.depends(share, logits), group=self.group)
 
 
@@ -364,9 +391,11 @@ def watched(target: ShardedTarget, timeout: float | None = DEFAULT_TIMEOUT):
     if timeout is None:
         yield target
         return
-    message = (f"dflash2: error: rank 0 of {target.group.size()} got no answer from the other processes for "
-               f"{timeout:g} s while generating: one died or hangs; start them all again (--peer-timeout sets "
-               "this bound)")
+    message = (
+        f"dflash2: error: rank 0 of {target.group.size()} got no answer from the other processes for "
+        f"{timeout:g} s while generating: one died or hangs; start them all again (--peer-timeout sets "
+        "this bound)"
+    )
     with progress_watch(timeout, message) as tick:
         target.tick = tick
         try:
@@ -407,8 +436,10 @@ def follow(target: ShardedTarget) -> None:
             elif op == Op.COPY:  # n: the copy's key
                 caches[n] = copy.deepcopy(caches[key])
             else:
-                raise RuntimeError(f"rank 0 asked for operation {op}, which this version does not know: run the same "
-                                   "version of dflash2 in every process")
+                raise RuntimeError(
+                    f"rank 0 asked for operation {op}, which this version does not know: run the same "
+                    "version of dflash2 in every process"
+                )
 
 
 def load(
@@ -430,8 +461,10 @@ def load(
     its share of `fc`). The processes first
     check that they load the same drafter and target config (within `timeout` seconds)."""
     if model is None or str(model).endswith(".gguf"):
-        raise ValueError("a sharded target is an mlx-lm model folder or hub id (mlx-lm's sharded_load); "
-                         f"got {model or 'none (--model)'}: convert a GGUF file with mlx_lm.convert first")
+        raise ValueError(
+            "a sharded target is an mlx-lm model folder or hub id (mlx-lm's sharded_load); "
+            f"got {model or 'none (--model)'}: convert a GGUF file with mlx_lm.convert first"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     config_path = resolve_path(model, allow_patterns=["*.json"])
@@ -440,23 +473,32 @@ def load(
     patched = mode == "pipeline" and not hasattr(lazy.model, "pipeline")
     del lazy
     if mode == "pipeline" and not (config_path / "model.safetensors.index.json").exists():
-        raise ValueError(f"{model} has no model.safetensors.index.json, which mlx-lm's pipeline loading reads to "
-                         "find each process's layers; save the model with mlx_lm.convert (or write the index)")
+        raise ValueError(
+            f"{model} has no model.safetensors.index.json, which mlx-lm's pipeline loading reads to "
+            "find each process's layers; save the model with mlx_lm.convert (or write the index)"
+        )
     drafter = None
     if draft_model is not None:
         if isinstance(draft_quant, str):
             draft_quant = DraftQuant.parse(draft_quant)
         drafter = load_drafter(draft_model, draft_dtype, draft_quant, draft_vocab, draft_vocab_counts, kernels)
-    check_same(group, {
-        "drafter": drafter_checksum(drafter) if drafter is not None else "no drafter",
-        "target config": json.dumps(config, sort_keys=True),
-        "sharding": f"{mode} {dtype}",
-    }, timeout)
+    check_same(
+        group,
+        {
+            "drafter": drafter_checksum(drafter) if drafter is not None else "no drafter",
+            "target config": json.dumps(config, sort_keys=True),
+            "sharding": f"{mode} {dtype}",
+        },
+        timeout,
+    )
     if patched:
         target_model, tokenizer = _pipeline_load(model, group)
     else:
-        target_model, tokenizer = sharded_load(model, pipeline_group=group if mode == "pipeline" else None,
-                                               tensor_group=group if mode == "tensor" else None)
+        target_model, tokenizer = sharded_load(
+            model,
+            pipeline_group=group if mode == "pipeline" else None,
+            tensor_group=group if mode == "tensor" else None,
+        )
     if dtype is not None:
         target_model.set_dtype(getattr(mx, dtype))
     if drafter is not None:

@@ -127,10 +127,24 @@ class Attention(nn.Module):
         q = q.reshape(N, kv, rep, L, hd) * self.scale  # query head h reads key head h // rep
         ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), kv)))[:, :, None]  # [S, kv, 1, C, hd]
         ctx_v = self._heads(self.v_proj(ctx), kv)[:, :, None]
-        per_seq = lambda t: t.reshape(S, A, *t.shape[1:-2], -1, t.shape[-1]).moveaxis(1, 3).reshape(  # noqa: E731
-            S, *t.shape[1:-2], A * L, t.shape[-1])  # [N, ..., L, d] -> [S, ..., A*L, d]
-        per_block = lambda t: t.reshape(S, *t.shape[1:-2], A, L, t.shape[-1]).moveaxis(3, 1).reshape(  # noqa: E731
-            N, *t.shape[1:-2], L, t.shape[-1])  # the inverse
+        per_seq = (
+            lambda t: (
+                t.reshape(S, A, *t.shape[1:-2], -1, t.shape[-1])
+                .moveaxis(1, 3)
+                .reshape(  # noqa: E731
+                    S, *t.shape[1:-2], A * L, t.shape[-1]
+                )
+            )
+        )  # [N, ..., L, d] -> [S, ..., A*L, d]
+        per_block = (
+            lambda t: (
+                t.reshape(S, *t.shape[1:-2], A, L, t.shape[-1])
+                .moveaxis(3, 1)
+                .reshape(  # noqa: E731
+                    N, *t.shape[1:-2], L, t.shape[-1]
+                )
+            )
+        )  # the inverse
         rows = mx.tile(mx.arange(L), A)[:, None]  # row within its block, for each of the A*L query rows
         anchor = mx.repeat(anchors, L, axis=1)[:, None, None, :, None]  # [S, 1, 1, A*L, 1]
         ctx_scores = per_seq(q) @ ctx_k.swapaxes(-1, -2)  # [S, kv, rep, A*L, C]
@@ -192,8 +206,10 @@ class DecoderLayer(nn.Module):
     def _compiled(self):
         """The two halves compiled, reading the layer's current weights at each call."""
         if "_compiled_halves" not in self.__dict__:
-            self.__dict__["_compiled_halves"] = (mx.compile(self._attention_input, inputs=self.state),
-                                                 mx.compile(self._attention_output, inputs=self.state))
+            self.__dict__["_compiled_halves"] = (
+                mx.compile(self._attention_input, inputs=self.state),
+                mx.compile(self._attention_output, inputs=self.state),
+            )
         return self.__dict__["_compiled_halves"]
 
 
@@ -226,8 +242,16 @@ class _TargetParts:
     """The target's embedding and LM head, held outside the module tree so they are never saved,
     trained or quantized as part of the drafter; with the logit settings in force (see `bind`)."""
 
-    def __init__(self, embed, lm_head, embed_scale: float, multiplier: float, softcap: float | None,
-                 vocab_ids: mx.array | None = None, vocab_rows: mx.array | None = None):
+    def __init__(
+        self,
+        embed,
+        lm_head,
+        embed_scale: float,
+        multiplier: float,
+        softcap: float | None,
+        vocab_ids: mx.array | None = None,
+        vocab_rows: mx.array | None = None,
+    ):
         self.embed, self.lm_head, self.embed_scale = embed, lm_head, embed_scale
         self.multiplier, self.softcap = multiplier, softcap
         self.vocab_ids, self.vocab_rows = vocab_ids, vocab_rows  # the draft vocabulary and its LM-head rows
@@ -278,8 +302,12 @@ class DFlashDraftModel(nn.Module):
         return self
 
     def bind(
-        self, embed, lm_head, embed_scale: float = 1.0,
-        output_multiplier: float = 1.0, final_logit_softcapping: float | None = None,
+        self,
+        embed,
+        lm_head,
+        embed_scale: float = 1.0,
+        output_multiplier: float = 1.0,
+        final_logit_softcapping: float | None = None,
         draft_vocab: tuple[mx.array, mx.array] | None = None,
     ) -> "DFlashDraftModel":
         """Use the target's embedding and LM head (both stay frozen and owned by the target). `embed_scale`,
@@ -291,7 +319,11 @@ class DFlashDraftModel(nn.Module):
         multiplier = cfg.output_multiplier if cfg.output_multiplier is not None else output_multiplier
         softcap = cfg.final_logit_softcapping if cfg.final_logit_softcapping is not None else final_logit_softcapping
         self._target = _TargetParts(
-            embed, lm_head, embed_scale * cfg.input_embedding_scale, float(multiplier), softcap or None,
+            embed,
+            lm_head,
+            embed_scale * cfg.input_embedding_scale,
+            float(multiplier),
+            softcap or None,
             *(draft_vocab or (None, None)),
         )
         return self
@@ -358,7 +390,11 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"the {walk!r} walk needs a DFlash 2 drafter (v1 drafters have no path selector)")
 
     def propose(
-        self, block: mx.array, context: mx.array, cache: list[KVCache], params: SamplingParams,
+        self,
+        block: mx.array,
+        context: mx.array,
+        cache: list[KVCache],
+        params: SamplingParams,
         walk: str = "greedy",
     ) -> Proposal:
         """Draft tokens for rows 1..B-1 of `block` [1, B] (see `hidden` for the other arguments), with each
@@ -408,13 +444,17 @@ class DFlash2DraftModel(DFlashDraftModel):
     def __init__(self, config: DraftConfig):
         super().__init__(config)
         self.candidate_selector = CandidateSelector(
-            config.hidden_size, config.selector_rank, config.selector_top_k, config.vocab_size,
+            config.hidden_size,
+            config.selector_rank,
+            config.selector_top_k,
+            config.vocab_size,
             config.selector_factorized,
         )
 
     def _lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array):
-        return self.candidate_selector.lattice_inputs(hidden, logits, anchor, self._target.embed,
-                                                      self._target.vocab_ids)
+        return self.candidate_selector.lattice_inputs(
+            hidden, logits, anchor, self._target.embed, self._target.vocab_ids
+        )
 
     def choose(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"

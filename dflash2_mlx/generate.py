@@ -147,8 +147,9 @@ def resolve_block_size(drafter: DFlashDraftModel, block_size: int | None, verify
     return block_size
 
 
-def block_policy(target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str,
-                 costs: CostModel | None = None):
+def block_policy(
+    target: Target, drafter: DFlashDraftModel, block_size: int, verify_mode: str, costs: CostModel | None = None
+):
     """What picks each cycle's block size: the fixed size (dflash) or the cost model (adaptive: `costs`, else
     this machine's cached one, measured now if missing), starting from the drafter card's held-out acceptance
     by position."""
@@ -198,26 +199,35 @@ def check_generation_arguments(
         if tree_budget is not None and (not isinstance(tree_budget, int) or tree_budget < 1):
             raise ValueError(f"tree_budget must be an integer >= 1 (draft nodes per tree), got {tree_budget!r}")
         if walk != "greedy":
-            raise ValueError(f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
-                             "instead: leave the walk (--path) at greedy")
+            raise ValueError(
+                f"the {walk!r} walk picks one path; verify mode 'ddtree' builds a tree best-first "
+                "instead: leave the walk (--path) at greedy"
+            )
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     logits_processors = list(logits_processors or [])
     if not all(callable(p) for p in logits_processors):
-        raise ValueError("logits_processors must be a list of callables proc(tokens, logits) -> logits "
-                         "(e.g. mlx_lm.sample_utils.make_logits_processors(...))")
+        raise ValueError(
+            "logits_processors must be a list of callables proc(tokens, logits) -> logits "
+            "(e.g. mlx_lm.sample_utils.make_logits_processors(...))"
+        )
     if sampler is not None:
         if not callable(sampler):
-            raise ValueError(f"sampler must be a callable logprobs -> token (e.g. make_sampler(temp=0.7)), got "
-                             f"{type(sampler).__name__}")
+            raise ValueError(
+                f"sampler must be a callable logprobs -> token (e.g. make_sampler(temp=0.7)), got "
+                f"{type(sampler).__name__}"
+            )
         if sampling != (0.0, 1.0, 0, 0.0):
-            raise ValueError("give either a sampler or temp/top_p/top_k/min_p, not both: make_sampler(temp=..., "
-                             "top_p=..., ...) takes them all")
+            raise ValueError(
+                "give either a sampler or temp/top_p/top_k/min_p, not both: make_sampler(temp=..., "
+                "top_p=..., ...) takes them all"
+            )
     return logits_processors
 
 
-def _sampling(sampler: Sampler | None, temp: float, top_p: float, top_k: int, min_p: float,
-              verify_mode: str) -> tuple[SamplingParams, Sampler | None, str]:
+def _sampling(
+    sampler: Sampler | None, temp: float, top_p: float, top_k: int, min_p: float, verify_mode: str
+) -> tuple[SamplingParams, Sampler | None, str]:
     """(the distribution tokens are drawn from, the sampler to call instead when that distribution is unknown,
     the verify mode that runs: "off" for such a sampler, with one warning saying why)."""
     if sampler is None:
@@ -231,7 +241,9 @@ def _sampling(sampler: Sampler | None, temp: float, top_p: float, top_k: int, mi
             f"plain decoding instead of {verify_mode!r} speculation: {why}, and accepting drafts exactly "
             "(rejection sampling) needs that distribution. The output is still exactly this sampler's; "
             "to speculate, make the sampler with dflash2_mlx.lm.make_sampler (mlx-lm's arguments)",
-            UserWarning, stacklevel=3)  # points at the code iterating `stream_cycles`
+            UserWarning,
+            stacklevel=3,
+        )  # points at the code iterating `stream_cycles`
     return SamplingParams(), sampler, "off"
 
 
@@ -305,9 +317,16 @@ def stream_cycles(
     Each record's `logprobs` stays lazy: reading it costs a host transfer, keeping it keeps [tokens, V] alive.
     """
     logits_processors = check_generation_arguments(
-        drafter, verify_mode=verify_mode, walk=walk, tree_budget=tree_budget, max_tokens=max_tokens,
-        logits_processors=logits_processors, sampler=sampler, sampling=(temp, top_p, top_k, min_p),
-        copyspec_mode=copyspec_mode)
+        drafter,
+        verify_mode=verify_mode,
+        walk=walk,
+        tree_budget=tree_budget,
+        max_tokens=max_tokens,
+        logits_processors=logits_processors,
+        sampler=sampler,
+        sampling=(temp, top_p, top_k, min_p),
+        copyspec_mode=copyspec_mode,
+    )
     copyspec = copyspec_config(copyspec_mode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -332,14 +351,35 @@ def stream_cycles(
         B = resolve_block_size(drafter, block_size, verify_mode)
         if tree_budget is None:
             tree_budget = default_budget(load_or_measure_costs(target, drafter, B, TREE_BUDGET_MAX + 1), B)
-        steps = tree_steps(target, drafter, prompt, params, B, tree_budget, max_tokens, prefill_step_size,
-                           prompt_cache, logits_processors, copyspec)
+        steps = tree_steps(
+            target,
+            drafter,
+            prompt,
+            params,
+            B,
+            tree_budget,
+            max_tokens,
+            prefill_step_size,
+            prompt_cache,
+            logits_processors,
+            copyspec,
+        )
     elif verify_mode != "off":
         drafter.check_walk(walk)
-        blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode,
-                              costs)
-        steps = dflash_steps(target, drafter, prompt, params, blocks, max_tokens, prefill_step_size, walk, prompt_cache,
-                             logits_processors, copyspec)
+        blocks = block_policy(target, drafter, resolve_block_size(drafter, block_size, verify_mode), verify_mode, costs)
+        steps = dflash_steps(
+            target,
+            drafter,
+            prompt,
+            params,
+            blocks,
+            max_tokens,
+            prefill_step_size,
+            walk,
+            prompt_cache,
+            logits_processors,
+            copyspec,
+        )
     else:
         steps = plain_steps(target, prompt, params, prefill_step_size, prompt_cache, logits_processors, foreign)
 
@@ -475,7 +515,9 @@ def stream_generate(
 
 
 def summarize(
-    records: Sequence[CycleResponse], drafter: DFlashDraftModel | None = None, block_size: int | None = None,
+    records: Sequence[CycleResponse],
+    drafter: DFlashDraftModel | None = None,
+    block_size: int | None = None,
 ) -> GenerationResult:
     """The `GenerationResult` of a generation's `stream_cycles` records (all of them, or those read before it was
     stopped); `drafter` and `block_size` as given to `stream_cycles`."""

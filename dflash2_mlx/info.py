@@ -106,8 +106,10 @@ def format_self_check(record: dict) -> str:
     rt = record["runtime"]
     lines = [f"Metal kernels self-check: {record['device']}, {rt['machine']}, mlx {rt['mlx']}, python {rt['python']}"]
     if not record["metal_available"]:
-        lines.append("Metal is not available here (mx.metal.is_available() is False): nothing to check; "
-                     "--kernels auto runs the pure-MLX ops, --kernels metal is refused.")
+        lines.append(
+            "Metal is not available here (mx.metal.is_available() is False): nothing to check; "
+            "--kernels auto runs the pure-MLX ops, --kernels metal is refused."
+        )
         return "\n".join(lines)
     width = max(len(c["kernel"]) for c in record["checks"])
     for c in record["checks"]:
@@ -115,6 +117,8 @@ def format_self_check(record: dict) -> str:
         lines.append(f"  {c['kernel']:<{width}}  {c['dtype']:<8}  {'passed' if c['ok'] else 'FAILED'}  {detail}")
     lines.append(f"--kernels auto runs: {rt['kernels']}")
     if not all(c["ok"] for c in record["checks"]):
-        lines.append("failed kernels are switched off (their pure-MLX ops run, same results); --kernels mlx turns "
-                     "every kernel off")
+        lines.append(
+            "failed kernels are switched off (their pure-MLX ops run, same results); --kernels mlx turns "
+            "every kernel off"
+        )
     return "\n".join(lines)

@@ -115,8 +115,10 @@ def check_accept_greedy(dtype: mx.Dtype) -> Outcome:
         got, want = kernels.accept_greedy(drafts, logits), accept_greedy(drafts, logits)
         mx.eval(*got, *want)
         if [g.item() for g in got] != [w.item() for w in want]:
-            return ("(accepted, bonus) = ({}, {}), the pure-MLX op ({}, {})"
-                    .format(*(a.item() for a in (*got, *want))), None)
+            return (
+                "(accepted, bonus) = ({}, {}), the pure-MLX op ({}, {})".format(*(a.item() for a in (*got, *want))),
+                None,
+            )
     return "", None
 
 
@@ -163,7 +165,8 @@ def results() -> tuple[Result, ...]:
                         f"the {name} Metal kernel failed its self-check and is switched off, its pure-MLX op runs "
                         f"instead (same results) [{detail}]. `dflash2 info --self-check` prints the check for a "
                         "bug report; `--kernels mlx` turns every kernel off.",
-                        KernelCheckWarning, stacklevel=2,
+                        KernelCheckWarning,
+                        stacklevel=2,
                     )
             _results = done
         return _results

@@ -84,9 +84,14 @@ class Launch(NamedTuple):
     template: tuple = ()
 
     def arguments(self) -> dict:
-        return dict(inputs=list(self.inputs), output_shapes=list(self.output_shapes),
-                    output_dtypes=list(self.output_dtypes), grid=self.grid, threadgroup=self.threadgroup,
-                    template=list(self.template))
+        return dict(
+            inputs=list(self.inputs),
+            output_shapes=list(self.output_shapes),
+            output_dtypes=list(self.output_dtypes),
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            template=list(self.template),
+        )
 
     def run(self) -> list[mx.array]:
         return kernel(self.name)(**self.arguments())
@@ -95,8 +100,15 @@ class Launch(NamedTuple):
 def conv_launch(x: mx.array, base: mx.array, dyn: mx.array) -> Launch:
     """`short_conv.dynamic_conv`: one thread per output element, rows of 256 channels per threadgroup."""
     out_dtype = mx.result_type(x, dyn)  # as the pure-MLX op: base is cast to x's dtype there
-    return Launch("dynamic_conv", (x, base, dyn), (x.shape,), (out_dtype,), (x.shape[-1], x.size // x.shape[-1], 1),
-                  (256, 1, 1), (("T", out_dtype),))
+    return Launch(
+        "dynamic_conv",
+        (x, base, dyn),
+        (x.shape,),
+        (out_dtype,),
+        (x.shape[-1], x.size // x.shape[-1], 1),
+        (256, 1, 1),
+        (("T", out_dtype),),
+    )
 
 
 def path_launch(unary: mx.array, pred_rows: mx.array, h: mx.array, succ: mx.array, walk: str) -> Launch:
@@ -104,16 +116,24 @@ def path_launch(unary: mx.array, pred_rows: mx.array, h: mx.array, succ: mx.arra
     T, k = unary.shape
     R = h.shape[-1]
     if T > MAX_ROWS or k > MAX_K or R > MAX_RANK:
-        raise ValueError(f"the lattice_path kernel takes up to {MAX_ROWS} draft rows, top-{MAX_K} candidates "
-                         f"and rank {MAX_RANK}; got {T} rows, top-{k}, rank {R} (use --kernels mlx)")
-    return Launch("lattice_path", (unary, pred_rows, h, succ), ((T, k, k), (T,)), (mx.float32, mx.uint32),
-                  (256, 1, 1), (256, 1, 1), (("VITERBI", walk == "viterbi"),))
+        raise ValueError(
+            f"the lattice_path kernel takes up to {MAX_ROWS} draft rows, top-{MAX_K} candidates "
+            f"and rank {MAX_RANK}; got {T} rows, top-{k}, rank {R} (use --kernels mlx)"
+        )
+    return Launch(
+        "lattice_path",
+        (unary, pred_rows, h, succ),
+        ((T, k, k), (T,)),
+        (mx.float32, mx.uint32),
+        (256, 1, 1),
+        (256, 1, 1),
+        (("VITERBI", walk == "viterbi"),),
+    )
 
 
 def accept_launch(drafts: mx.array, target_logits: mx.array) -> Launch:
     """`sampling.accept_greedy`: one threadgroup of 1024 threads walks the verify rows."""
-    return Launch("accept_greedy", (drafts, target_logits), ((), ()), (mx.int32, mx.uint32), (1024, 1, 1),
-                  (1024, 1, 1))
+    return Launch("accept_greedy", (drafts, target_logits), ((), ()), (mx.int32, mx.uint32), (1024, 1, 1), (1024, 1, 1))
 
 
 def dynamic_conv(x: mx.array, base: mx.array, dyn: mx.array) -> mx.array:

@@ -50,8 +50,15 @@ from .loading import bind_drafter, load_drafter, load_target
 from .prompt_cache import PromptCache as _PromptCache
 from .sampling import make_sampler
 
-__all__ = ["GenerationResponse", "generate", "load", "make_logits_processors", "make_prompt_cache", "make_sampler",
-           "stream_generate"]
+__all__ = [
+    "GenerationResponse",
+    "generate",
+    "load",
+    "make_logits_processors",
+    "make_prompt_cache",
+    "make_sampler",
+    "stream_generate",
+]
 
 DRAFT_MODEL_ENV = "DFLASH2_DRAFT_MODEL"  # the drafter `load` takes when given none
 
@@ -97,17 +104,28 @@ def load(
     if from_env:
         draft_model = os.environ[DRAFT_MODEL_ENV]
     if path_or_hf_repo is None or str(path_or_hf_repo).endswith(".gguf"):
-        extra = {k: v for k, v in dict(model_config=model_config, adapter_path=adapter_path, revision=revision,
-                                      return_config=return_config or None).items() if v}
+        extra = {
+            k: v
+            for k, v in dict(
+                model_config=model_config,
+                adapter_path=adapter_path,
+                revision=revision,
+                return_config=return_config or None,
+            ).items()
+            if v
+        }
         if extra:
-            raise ValueError(f"{', '.join(extra)}: not available for GGUF targets (this package reads them itself); "
-                             "convert the model to an mlx-lm folder to use them")
+            raise ValueError(
+                f"{', '.join(extra)}: not available for GGUF targets (this package reads them itself); "
+                "convert the model to an mlx-lm folder to use them"
+            )
         model, tokenizer = load_target(path_or_hf_repo, tokenizer_config=tokenizer_config)
         if path_or_hf_repo is None and draft_model is None:
             draft_model = str(default_drafter())
     else:
-        loaded = mlx_lm_utils.load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, True,
-                                   revision, trust_remote_code)
+        loaded = mlx_lm_utils.load(
+            path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, True, revision, trust_remote_code
+        )
         model, tokenizer, config = loaded
     if draft_model is not None:
         drafter = load_drafter(str(draft_model), **drafter_options)
@@ -141,8 +159,10 @@ def make_prompt_cache(model: nn.Module, max_kv_size: int | None = None) -> Promp
     its new tokens, as with mlx-lm's. It holds the drafter's context too, so speculation goes on across turns.
     `max_kv_size` (a rotating cache) is refused: the drafter's context would lose its rows."""
     if max_kv_size is not None:
-        raise ValueError("max_kv_size: rotating prompt caches are not supported (the drafter's context must match "
-                         "the target's cache row for row); leave it unset")
+        raise ValueError(
+            "max_kv_size: rotating prompt caches are not supported (the drafter's context must match "
+            "the target's cache row for row); leave it unset"
+        )
     return PromptCache()
 
 
@@ -170,10 +190,14 @@ def _options(model, draft_model, max_tokens: int, stream, kwargs: dict) -> tuple
     if max_tokens == 0:
         raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
     kwargs = dict(kwargs)
-    for name, why in (("max_kv_size", "rotating KV caches are not supported (the drafter's context must match "
-                       "the target's cache row for row)"),
-                      ("kv_bits", "quantized KV caches are not supported while speculating"),
-                      ("input_embeddings", "generation starts from token ids here")):
+    for name, why in (
+        (
+            "max_kv_size",
+            "rotating KV caches are not supported (the drafter's context must match the target's cache row for row)",
+        ),
+        ("kv_bits", "quantized KV caches are not supported while speculating"),
+        ("input_embeddings", "generation starts from token ids here"),
+    ):
         if kwargs.pop(name, None) is not None:
             raise ValueError(f"{name}: {why}; leave it unset")
     kwargs.pop("kv_group_size", None)  # mlx-lm's KV quantization settings: they do nothing without kv_bits
@@ -192,9 +216,11 @@ def _options(model, draft_model, max_tokens: int, stream, kwargs: dict) -> tuple
         if name in kwargs:
             options[name] = kwargs.pop(name)
     if kwargs:
-        raise TypeError(f"stream_generate() got unexpected keyword arguments {sorted(kwargs)}: it takes mlx-lm's "
-                        f"(sampler, logits_processors, prompt_cache, prefill_step_size, num_draft_tokens, ...) and "
-                        f"{', '.join(OWN_OPTIONS)}")
+        raise TypeError(
+            f"stream_generate() got unexpected keyword arguments {sorted(kwargs)}: it takes mlx-lm's "
+            f"(sampler, logits_processors, prompt_cache, prefill_step_size, num_draft_tokens, ...) and "
+            f"{', '.join(OWN_OPTIONS)}"
+        )
     if "verify_mode" not in options:
         options["verify_mode"] = "off" if drafter is None else "adaptive"
     if options.get("prefill_step_size") is None:
@@ -226,9 +252,11 @@ def stream_generate(
     cache = options.pop("prompt_cache", None)
     progress: Callable[[int, int], None] | None = options.pop("prompt_progress_callback", None)
     if isinstance(cache, list):
-        raise ValueError("prompt_cache: an mlx-lm cache list holds the target's rows only, and speculation needs "
-                         "the drafter's context beside them: use dflash2_mlx.lm.make_prompt_cache(model) (used the "
-                         "same way: each call passes its new tokens)")
+        raise ValueError(
+            "prompt_cache: an mlx-lm cache list holds the target's rows only, and speculation needs "
+            "the drafter's context beside them: use dflash2_mlx.lm.make_prompt_cache(model) (used the "
+            "same way: each call passes its new tokens)"
+        )
     if cache is not None and not isinstance(cache, _PromptCache):
         raise ValueError(f"prompt_cache must come from make_prompt_cache(model), got {type(cache).__name__}")
     ids = encode_text(tokenizer, prompt) if isinstance(prompt, str) else mx.array(prompt).reshape(-1).tolist()

@@ -61,8 +61,12 @@ def drafter_dtype(stored: mx.Dtype, dtype: str | None) -> mx.Dtype:
 
 
 def load_drafter(
-    path_or_repo: str, dtype: str | None = None, quant: DraftQuant | None = None,
-    draft_vocab: int | None = None, vocab_counts: str | Path | None = None, kernels: str = "auto",
+    path_or_repo: str,
+    dtype: str | None = None,
+    quant: DraftQuant | None = None,
+    draft_vocab: int | None = None,
+    vocab_counts: str | Path | None = None,
+    kernels: str = "auto",
 ) -> DFlashDraftModel:
     """A drafter folder: a published Hugging Face layout (DFlash v1, DFlash 2, Muse-style; config.json +
     safetensors, no embedding or LM head: the target lends them, see `DFlashDraftModel.bind`) or an MLX
@@ -81,7 +85,9 @@ def load_drafter(
     if stored_quant:
         stored_quant = DraftQuant.parse(stored_quant)
         nn.quantize(
-            model, group_size=stored_quant.group_size, bits=stored_quant.bits,
+            model,
+            group_size=stored_quant.group_size,
+            bits=stored_quant.bits,
             class_predicate=lambda p, _: f"{p}.scales" in weights,
         )
     expected = dict(tree_flatten(model.parameters()))
@@ -92,8 +98,11 @@ def load_drafter(
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    wrong = [f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})"
-             for k, v in weights.items() if v.shape != expected[k].shape]
+    wrong = [
+        f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})"
+        for k, v in weights.items()
+        if v.shape != expected[k].shape
+    ]
     if wrong:
         raise ValueError(f"drafter tensors in {path} do not match its config's shapes: {', '.join(wrong[:4])}")
     model.load_weights(list(weights.items()))
@@ -144,8 +153,9 @@ def bind_drafter(drafter: DFlashDraftModel, model: nn.Module) -> Target:
     if drafter.draft_vocab is not None:
         ids = mx.array(check_ids(drafter.draft_vocab, "the drafter's draft vocabulary", target.vocab_size))
         vocab = (ids, target.head_rows(ids).astype(drafter.norm.weight.dtype))
-    drafter.bind(target.embed_tokens, target.lm_head, target.embed_scale,
-                 target.logit_multiplier, target.logit_softcap, vocab)
+    drafter.bind(
+        target.embed_tokens, target.lm_head, target.embed_scale, target.logit_multiplier, target.logit_softcap, vocab
+    )
     return target
 
 
@@ -161,7 +171,6 @@ def load_target(model: str | None = None, dtype: str | None = None, tokenizer_co
     """
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
-
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -145,7 +145,7 @@ class LookupIndex:
         if length < self.config.min_match:
             return None
         n = self.config.max_draft if limit is None else min(limit, self.config.max_draft)
-        return Match(self.tokens[start: start + n], length) if n > 0 else None
+        return Match(self.tokens[start : start + n], length) if n > 0 else None
 
 
 def one_hot_proposal(tokens: Sequence[int]) -> Proposal:

@@ -50,8 +50,9 @@ def from_omlx(path: str | Path, model_id: str) -> RuntimeSettings:
     if not entry.get("dflash_enabled", False):
         mode = "off"
     elif mode not in ("adaptive", "dflash", "ddtree", "off"):
-        raise ValueError(f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash', 'ddtree' "
-                         "or 'off'")
+        raise ValueError(
+            f"oMLX verify mode {mode!r} is not supported here; use 'adaptive', 'dflash', 'ddtree' or 'off'"
+        )
     settings.verify_mode = mode
     copyspec = entry.get("copyspec_mode")
     if copyspec not in (None, "") and copyspec not in COPYSPEC_MODES:

@@ -96,8 +96,9 @@ def recurrent_module(layer: nn.Module) -> nn.Module | None:
 def _per_instance_call(cls: type) -> type:
     """A subclass of `cls` that runs the `__call__` stored on each instance (made once per class)."""
     if cls not in _PER_INSTANCE_CALL:
-        _PER_INSTANCE_CALL[cls] = type(cls.__name__, (cls,), {
-            "__call__": lambda self, *a, **k: self.__dict__["_dflash_call"](self, *a, **k)})
+        _PER_INSTANCE_CALL[cls] = type(
+            cls.__name__, (cls,), {"__call__": lambda self, *a, **k: self.__dict__["_dflash_call"](self, *a, **k)}
+        )
     return _PER_INSTANCE_CALL[cls]
 
 
@@ -123,8 +124,12 @@ def record_recurrent(module: nn.Module, recorder) -> Restore:
         return conv_call(conv, x)
 
     calls = [
-        (module, types.FunctionType(original.__code__, globals_, original.__name__, original.__defaults__,
-                                    original.__closure__)),
+        (
+            module,
+            types.FunctionType(
+                original.__code__, globals_, original.__name__, original.__defaults__, original.__closure__
+            ),
+        ),
         (module.conv1d, recording_conv),
     ]
     done = []
@@ -157,8 +162,11 @@ def pipeline_forward(inner: nn.Module) -> str | None:
     from mlx_lm.models.base import create_attention_mask
 
     call = getattr(type(inner), "__call__", None)
-    if (getattr(call, "__code__", None) is None or call.__globals__.get("create_attention_mask") is not create_attention_mask
-            or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm"))):
+    if (
+        getattr(call, "__code__", None) is None
+        or call.__globals__.get("create_attention_mask") is not create_attention_mask
+        or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm"))
+    ):
         return None
     for module, name in PIPELINE_FORWARDS:
         if _code(call) == _code(getattr(importlib.import_module(module), name).__call__):
@@ -196,8 +204,11 @@ def stage_masks(inner: nn.Module, h: mx.array, layers: list, cache: list) -> lis
     for layer, c in zip(layers, cache):
         sliding = bool(getattr(layer, "use_sliding", False))
         if sliding not in made:
-            made[sliding] = (create_attention_mask(h, c, window_size=inner.sliding_window) if sliding
-                             else create_attention_mask(h, c))
+            made[sliding] = (
+                create_attention_mask(h, c, window_size=inner.sliding_window)
+                if sliding
+                else create_attention_mask(h, c)
+            )
         masks.append(made[sliding])
     return masks
 
@@ -227,16 +238,25 @@ def pipeline_stage(model: nn.Module) -> None:
     if hasattr(inner, "pipeline"):
         return
     if pipeline_forward(inner) is None:
-        raise ValueError(f"{type(inner).__module__}.{type(inner).__name__} has a forward this version cannot "
-                         "pipeline (pipelined: mlx-lm's own pipelined models and "
-                         + ", ".join(m.rsplit(".", 1)[-1] for m, _ in PIPELINE_FORWARDS) + ")")
+        raise ValueError(
+            f"{type(inner).__module__}.{type(inner).__name__} has a forward this version cannot "
+            "pipeline (pipelined: mlx-lm's own pipelined models and "
+            + ", ".join(m.rsplit(".", 1)[-1] for m, _ in PIPELINE_FORWARDS)
+            + ")"
+        )
     inner_cls, outer_cls = type(inner), type(model)
     if inner_cls not in _PIPELINED:
-        _PIPELINED[inner_cls] = type(inner_cls.__name__, (PipelineMixin, inner_cls), {
-            "__call__": _pipelined_call, "pipeline": _pipeline, "__module__": inner_cls.__module__})
+        _PIPELINED[inner_cls] = type(
+            inner_cls.__name__,
+            (PipelineMixin, inner_cls),
+            {"__call__": _pipelined_call, "pipeline": _pipeline, "__module__": inner_cls.__module__},
+        )
     if outer_cls not in _PIPELINED:
-        _PIPELINED[outer_cls] = type(outer_cls.__name__, (outer_cls,), {
-            "layers": property(lambda self: self.model.pipeline_layers), "__module__": outer_cls.__module__})
+        _PIPELINED[outer_cls] = type(
+            outer_cls.__name__,
+            (outer_cls,),
+            {"layers": property(lambda self: self.model.pipeline_layers), "__module__": outer_cls.__module__},
+        )
     for key, value in (("pipeline_rank", 0), ("pipeline_size", 1), ("start_idx", 0), ("end_idx", None)):
         inner.__dict__[key] = value  # PipelineMixin.__init__'s state
     inner.__class__ = _PIPELINED[inner_cls]

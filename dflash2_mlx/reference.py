@@ -129,9 +129,14 @@ def draft_hidden(cfg: dict, W: dict, embed: np.ndarray, block, context) -> np.nd
         p = f"layers.{i}."
         sublayers = (
             ("input_layernorm", "attention_conv", lambda a: _attention(W, p + "self_attn.", s, i, a, ctx)),
-            ("post_attention_layernorm", "mlp_conv", lambda a: (
-                silu(a @ W[p + "mlp.gate_proj.weight"].T) * (a @ W[p + "mlp.up_proj.weight"].T)
-            ) @ W[p + "mlp.down_proj.weight"].T),
+            (
+                "post_attention_layernorm",
+                "mlp_conv",
+                lambda a: (
+                    (silu(a @ W[p + "mlp.gate_proj.weight"].T) * (a @ W[p + "mlp.up_proj.weight"].T))
+                    @ W[p + "mlp.down_proj.weight"].T
+                ),
+            ),
         )
         for norm, conv, f in sublayers:
             xn = _rms(x, W[p + norm + ".weight"], s["eps"])

@@ -55,8 +55,15 @@ class Trace:
         return matches.index(0.0) if 0.0 in matches else len(matches)
 
 
-def record(target: Target, drafter: DFlashDraftModel, prompt: Iterable[int], max_tokens: int,
-           blocks: Iterable[int], eos: Iterable[int] = (), walk: str = "greedy") -> Trace:
+def record(
+    target: Target,
+    drafter: DFlashDraftModel,
+    prompt: Iterable[int],
+    max_tokens: int,
+    blocks: Iterable[int],
+    eos: Iterable[int] = (),
+    walk: str = "greedy",
+) -> Trace:
     """Greedy-decode `prompt` by plain steps (up to `max_tokens` tokens, or an `eos` token) and propose, at every
     token, a block of each size in `blocks` (each a drafter pass: this costs about 1 + 0.2 x len(blocks) plain
     steps per token)."""
@@ -99,8 +106,7 @@ class Replayed:
         return (self.tokens - 1) / self.seconds if self.seconds else 0.0
 
 
-def replay(trace: Trace, policy: BlockPolicy, costs: CostModel,
-           max_tokens: int | None = None) -> Replayed:
+def replay(trace: Trace, policy: BlockPolicy, costs: CostModel, max_tokens: int | None = None) -> Replayed:
     """Run `policy` over `trace` as `decode.dflash_steps` would with `max_tokens` (default: the answer's length;
     the answer ends there or at EOS): the same calls, in the same order, with the same arguments, each cycle and
     plain step timed at `costs` (a plain run's time includes its shadow probe)."""
@@ -123,8 +129,11 @@ def replay(trace: Trace, policy: BlockPolicy, costs: CostModel,
                     if i == scored - 1:
                         single = trace.matches(produced - 1, policy.block_max, scored)
                         rows = trace.confidences(produced - 1, policy.block_max)
-                        policy.observe_shadow([float(all(single[: k + 1])) for k in range(scored)], single,
-                                              None if rows is None else rows.tolist())
+                        policy.observe_shadow(
+                            [float(all(single[: k + 1])) for k in range(scored)],
+                            single,
+                            None if rows is None else rows.tolist(),
+                        )
                     if out.tokens >= n:  # the loop's caller stops reading here
                         return out
                     timed = 0 if timed is None else timed + 1

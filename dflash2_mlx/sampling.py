@@ -105,13 +105,23 @@ def make_sampler(
     distribution, which a bare callable does not tell. XTC (`xtc_probability` > 0) removes a random set of
     tokens per draw, a law this module does not reproduce: such a sampler (`params` None) runs plain decoding,
     with mlx-lm's XTC sampler itself."""
-    sampler = sample_utils.make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability,
-                                        xtc_threshold, xtc_special_tokens)
+    sampler = sample_utils.make_sampler(
+        temp, top_p, min_p, min_tokens_to_keep, top_k, xtc_probability, xtc_threshold, xtc_special_tokens
+    )
     if xtc_probability > 0 and temp != 0:
-        return SamplerWithParams(sampler, None, "XTC sampling (xtc_probability > 0) draws from a random subset of "
-                                 "tokens, a distribution speculative decoding cannot test drafts against")
-    params = SamplingParams(temperature=temp, top_p=top_p if 0 < top_p < 1 else 1.0, top_k=max(top_k, 0),
-                            min_p=min_p, min_tokens_to_keep=min_tokens_to_keep)
+        return SamplerWithParams(
+            sampler,
+            None,
+            "XTC sampling (xtc_probability > 0) draws from a random subset of "
+            "tokens, a distribution speculative decoding cannot test drafts against",
+        )
+    params = SamplingParams(
+        temperature=temp,
+        top_p=top_p if 0 < top_p < 1 else 1.0,
+        top_k=max(top_k, 0),
+        min_p=min_p,
+        min_tokens_to_keep=min_tokens_to_keep,
+    )
     return SamplerWithParams(sampler, params)
 
 
@@ -194,7 +204,7 @@ class Proposal(NamedTuple):
         the prefix is what a block of n drafts drawn the same way would be. At T = 0 any prefix is exact."""
         if n >= self.tokens.shape[0]:
             return self
-        cut = (lambda a: None if a is None else a[:n])
+        cut = lambda a: None if a is None else a[:n]
         return Proposal(self.tokens[:n], cut(self.candidates), cut(self.probs), self.finite, cut(self.confidence))
 
 
@@ -214,8 +224,10 @@ def accept(
         drafts = mx.where(proposal.finite, proposal.tokens, target_logits.shape[-1])
         return accept_greedy(drafts, target_logits, metal)
     if proposal.probs is None:
-        raise ValueError("sampling (T > 0) needs the proposal's draft distribution (candidates and probs); "
-                         "propose the drafts with the same SamplingParams")
+        raise ValueError(
+            "sampling (T > 0) needs the proposal's draft distribution (candidates and probs); "
+            "propose the drafts with the same SamplingParams"
+        )
     return accept_sampled(proposal, target_logits, params)
 
 
@@ -230,9 +242,7 @@ def accept_greedy(drafts: mx.array, target_logits: mx.array, metal: bool = False
     return accepted, choice[accepted]
 
 
-def accept_sampled(
-    proposal: Proposal, target_logits: mx.array, params: SamplingParams
-) -> tuple[mx.array, mx.array]:
+def accept_sampled(proposal: Proposal, target_logits: mx.array, params: SamplingParams) -> tuple[mx.array, mx.array]:
     """T > 0: speculative rejection sampling (Leviathan et al. / Chen et al.) against a sparse q.
 
     Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i)); the first rejected row is resampled
@@ -256,9 +266,7 @@ def accept_sampled(
     return accepted, candidates[accepted]
 
 
-def draft_acceptance(
-    proposal: Proposal, tokens: mx.array, target_logits: mx.array, params: SamplingParams
-) -> mx.array:
+def draft_acceptance(proposal: Proposal, tokens: mx.array, target_logits: mx.array, params: SamplingParams) -> mx.array:
     """How a block of drafts would have fared, judged by plain decoding instead of a verify pass (adaptive
     mode's shadow probes): [2, m], m = min(drafts, tokens).
 
@@ -277,8 +285,10 @@ def draft_acceptance(
         rows = mx.stack([mx.cumprod(match), match])
         return mx.where(proposal.finite, rows, 0.0)
     if proposal.probs is None:
-        raise ValueError("scoring sampled drafts (T > 0) needs the proposal's draft distribution; propose the "
-                         "drafts with the same SamplingParams")
+        raise ValueError(
+            "scoring sampled drafts (T > 0) needs the proposal's draft distribution; propose the "
+            "drafts with the same SamplingParams"
+        )
     p = probabilities(target_logits[:m], params)  # [m, V]
     ids, q = proposal.candidates[:m], proposal.probs[:m].astype(mx.float32)
     overlap = mx.sum(mx.minimum(mx.take_along_axis(p, ids, axis=-1), q), axis=-1)

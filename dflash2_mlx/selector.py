@@ -70,8 +70,9 @@ class CandidateSelector(nn.Module):
             return self.successor_projection(embed(ids))
         return self.successor_codebook(ids)
 
-    def lattice_inputs(self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None,
-                       ids: mx.array | None = None) -> LatticeInputs:
+    def lattice_inputs(
+        self, hidden: mx.array, logits: mx.array, anchor: mx.array, embed=None, ids: mx.array | None = None
+    ) -> LatticeInputs:
         """hidden [T, D] normed draft rows; logits [T, V] their draft logits; anchor: scalar token id. With a
         draft vocabulary, logits [T, n] are over its token ids `ids` [n]. Blocks side by side: hidden
         [N, T, D], logits [N, T, V], anchors [N] give inputs with a leading N."""

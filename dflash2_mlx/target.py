@@ -69,8 +69,13 @@ def output_head(model: nn.Module, inner: nn.Module, embed: nn.Module) -> OutputH
     Gemma 3, Mistral 3, ...), untied or tied (as the model's own tie flag says), possibly quantized."""
     lm = getattr(model, "language_model", None)
     owner = lm if lm is not None and getattr(lm, "model", None) is inner else model
-    sources = [owner, getattr(owner, "args", None), getattr(owner, "config", None),
-               getattr(inner, "args", None), getattr(inner, "config", None)]
+    sources = [
+        owner,
+        getattr(owner, "args", None),
+        getattr(owner, "config", None),
+        getattr(inner, "args", None),
+        getattr(inner, "config", None),
+    ]
 
     def setting(name):
         return next((v for s in sources if s is not None and (v := getattr(s, name, None)) is not None), None)
@@ -172,7 +177,9 @@ class Capture:
         if not 0 <= keep <= verified.rows:
             raise ValueError(f"cannot keep {keep} rows of a {verified.rows}-row verify pass")
         if _offset(cache) != verified.offset:
-            raise RuntimeError("the cache moved since this verify pass: only the last pass fed to it can be rolled back")
+            raise RuntimeError(
+                "the cache moved since this verify pass: only the last pass fed to it can be rolled back"
+            )
         n = verified.rows - keep
         for i, seen in verified.recurrences.items():
             if n > 0:
@@ -211,8 +218,10 @@ def _layer_count(model: nn.Module, inner: nn.Module, listed: int) -> int:
         n = getattr(source, "num_hidden_layers", None)
         if isinstance(n, int):
             return n
-    raise ValueError(f"{type(model).__module__}: a pipeline stage whose config does not say how many layers the "
-                     "target has (num_hidden_layers)")
+    raise ValueError(
+        f"{type(model).__module__}: a pipeline stage whose config does not say how many layers the "
+        "target has (num_hidden_layers)"
+    )
 
 
 def _offset(cache: list) -> int:
@@ -249,7 +258,8 @@ class Target:
         self.embed_scale = input_embedding_scale(inner)
         # layer index -> its GatedDeltaNet module, for hybrid targets
         self.recurrent = {
-            self.first_layer + j: module for j, layer in enumerate(self.layers)
+            self.first_layer + j: module
+            for j, layer in enumerate(self.layers)
             if (module := patches.recurrent_module(layer))
         }
 
@@ -270,8 +280,14 @@ class Target:
         if not isinstance(head, nn.Module):  # the embedding's as_linear (a quantized embedding dequantizes its rows)
             return self.embed_tokens(ids)
         if isinstance(head, nn.QuantizedLinear):
-            return mx.dequantize(head.weight[ids], head.scales[ids], head.get("biases")[ids] if "biases" in head else None,
-                                 head.group_size, head.bits, mode=head.mode)
+            return mx.dequantize(
+                head.weight[ids],
+                head.scales[ids],
+                head.get("biases")[ids] if "biases" in head else None,
+                head.group_size,
+                head.bits,
+                mode=head.mode,
+            )
         return head.weight[ids]
 
     @property
@@ -282,7 +298,8 @@ class Target:
     def make_cache(self) -> list:
         cache = make_prompt_cache(self.model)
         unsupported = {
-            type(c).__name__ for i, c in enumerate(cache)
+            type(c).__name__
+            for i, c in enumerate(cache)
             if not isinstance(c, _ROLLBACK_CACHES)
             and not (isinstance(c, ArraysCache) and self.first_layer + i in self.recurrent)
         }

@@ -86,9 +86,14 @@ def process_tree_rows(tree: Tree, target_logits: mx.array, procs: Processing) ->
     its path (its ancestors below the anchor, and itself), what plain decoding shows them had that path been
     accepted (`sampling.Processing`)."""
     seen = tree.ancestors()
-    return mx.stack([
-        procs.row(target_logits[i], mx.array([tree.tokens[j] for j in range(1, tree.size) if seen[i, j]], mx.uint32))
-        for i in range(tree.size)])
+    return mx.stack(
+        [
+            procs.row(
+                target_logits[i], mx.array([tree.tokens[j] for j in range(1, tree.size) if seen[i, j]], mx.uint32)
+            )
+            for i in range(tree.size)
+        ]
+    )
 
 
 def default_budget(costs, block_size: int) -> int:
@@ -99,8 +104,9 @@ def default_budget(costs, block_size: int) -> int:
     limit = (1 + TREE_COST_SLACK) * costs.passes_s(block_size)
     draft = costs.draft_s[block_size - 2]
     top = min(TREE_BUDGET_MAX, len(costs.verify_s) - 1)
-    return max((n for n in range(block_size - 1, top + 1) if draft + costs.verify_s[n] <= limit),
-               default=block_size - 1)
+    return max(
+        (n for n in range(block_size - 1, top + 1) if draft + costs.verify_s[n] <= limit), default=block_size - 1
+    )
 
 
 def build_tree(anchor: int, candidates: np.ndarray, logq: np.ndarray, budget: int) -> Tree:
@@ -132,8 +138,10 @@ def check_target(target) -> None:
     """Tree mode needs attention layers whose RoPE can be given per-node positions, KV caches whose rows can
     be reordered, and no recurrent layers, in one process."""
     if getattr(target, "group", None) is not None:
-        raise ValueError("tree verification (--verify-mode ddtree) runs in one process; a target sharded over "
-                         "several verifies linear blocks: use --verify-mode dflash or adaptive")
+        raise ValueError(
+            "tree verification (--verify-mode ddtree) runs in one process; a target sharded over "
+            "several verifies linear blocks: use --verify-mode dflash or adaptive"
+        )
     if target.recurrent:
         raise ValueError(
             f"tree verification (--verify-mode ddtree) does not support hybrid targets ({target.model_type}: "
@@ -150,8 +158,11 @@ def check_target(target) -> None:
 
 
 def check_cache(cache: list) -> None:
-    bad = {type(c).__name__ for c in cache
-           if type(c) not in (KVCache, RotatingKVCache) or (isinstance(c, RotatingKVCache) and c.keep)}
+    bad = {
+        type(c).__name__
+        for c in cache
+        if type(c) not in (KVCache, RotatingKVCache) or (isinstance(c, RotatingKVCache) and c.keep)
+    }
     if bad:
         raise ValueError(
             f"tree verification (--verify-mode ddtree) keeps the accepted path by reordering KV rows, which "
@@ -206,6 +217,7 @@ def tree_attention(target, cache: list, tree: Tree):
                 raise RuntimeError(f"a tree pass feeds {tree.size} tokens, the model fed {N}")
             context = min(c.offset, c.max_size - 1) if isinstance(c, RotatingKVCache) else c.offset
             return _tree_mask(ancestors, depths, context, c.offset, window_size)
+
         return mask
 
     layers = [layer.self_attn for layer in target.layers]

@@ -20,8 +20,9 @@ def pytest_configure(config):
     from dflash2_apps.openblas import restart_with_openblas
 
     capture = config.pluginmanager.getplugin("capturemanager")
-    restart_with_openblas(["-m", "pytest", *config.invocation_params.args],
-                          before_exec=capture.stop_global_capturing if capture else None)
+    restart_with_openblas(
+        ["-m", "pytest", *config.invocation_params.args], before_exec=capture.stop_global_capturing if capture else None
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
     if getattr(config.option, "numprocesses", None):
         # pytest-xdist workers, one per core, inherit this before they start: each OpenBLAS on one thread
@@ -29,7 +30,6 @@ def pytest_configure(config):
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     # adaptive mode's measured costs go to a file of this run's, never to the user's cache
     os.environ["DFLASH2_COSTS"] = str(Path(config.rootpath) / ".pytest_cache" / f"costs-{os.getpid()}.json")
-
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
@@ -49,7 +49,6 @@ def _fresh_kernel_check():
     kernel_check.clear()
     yield
     kernel_check.clear()
-
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +77,6 @@ def tiny_dflash2(tiny_pair, tmp_path_factory):
     model, _ = load_model(tiny_pair[0])
     drafter = make_dflash2_drafter(model, block_size=16, mask_token_id=5)
     return save_drafter(tmp_path_factory.mktemp("tiny2") / "drafter", drafter)
-
 
 
 @pytest.fixture(scope="session")

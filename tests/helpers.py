@@ -158,9 +158,18 @@ class OracleDrafter(DFlashDraftModel):
     default makes it sure of them, a small one unsure (2.6: the draft at probability 0.05 of 256). `wrong_every`:
     all its drafts wrong after every anchor whose position in the output is a multiple of it."""
 
-    def __init__(self, config: DraftConfig, model, prompt, spoil_seed: int | None = None,
-                 right_for: int | None = None, right_between: tuple[int, int] | None = None, processors=(),
-                 logit_scale: float = 30.0, wrong_every: int | None = None):
+    def __init__(
+        self,
+        config: DraftConfig,
+        model,
+        prompt,
+        spoil_seed: int | None = None,
+        right_for: int | None = None,
+        right_between: tuple[int, int] | None = None,
+        processors=(),
+        logit_scale: float = 30.0,
+        wrong_every: int | None = None,
+    ):
         super().__init__(config)
         self.logit_scale, self.wrong_every = logit_scale, wrong_every
         self.processors = list(processors)
@@ -219,12 +228,30 @@ class OracleDrafter(DFlashDraftModel):
         return out
 
 
-def make_oracle(model, prompt, block_size=16, spoil_seed=None, right_for=None, right_between=None,
-                processors=(), logit_scale=30.0, wrong_every=None) -> OracleDrafter:
+def make_oracle(
+    model,
+    prompt,
+    block_size=16,
+    spoil_seed=None,
+    right_for=None,
+    right_between=None,
+    processors=(),
+    logit_scale=30.0,
+    wrong_every=None,
+) -> OracleDrafter:
     from dflash2_mlx.loading import bind_drafter
 
-    oracle = OracleDrafter(drafter_config(model, block_size=block_size), model, prompt, spoil_seed, right_for,
-                           right_between, processors, logit_scale, wrong_every)
+    oracle = OracleDrafter(
+        drafter_config(model, block_size=block_size),
+        model,
+        prompt,
+        spoil_seed,
+        right_for,
+        right_between,
+        processors,
+        logit_scale,
+        wrong_every,
+    )
     bind_drafter(oracle, model)
     return oracle
 
@@ -285,8 +312,10 @@ def save_drafter(folder: Path, drafter: DFlashDraftModel, prefix: str = "") -> P
     """In the published (Hugging Face) layout: DFlash 2 codebooks without `.weight`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
-    weights = {prefix + (k.removesuffix(".weight") if "_codebook" in k else k): v
-               for k, v in tree_flatten(drafter.parameters())}
+    weights = {
+        prefix + (k.removesuffix(".weight") if "_codebook" in k else k): v
+        for k, v in tree_flatten(drafter.parameters())
+    }
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     return folder
 
@@ -305,8 +334,15 @@ def synthetic_checkpoint(folder: Path, layout: str, shards: int = 1, prefix: str
     v1 = the DFlash 2 header without conv and selector; muse = v1 with Muse's names and config."""
     header = json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text())
     cfg = json.loads((FIXTURES / "dflash2-config.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               vocab_size=256, num_target_layers=6)
+    cfg.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        num_target_layers=6,
+    )
     cfg["dflash_config"].update(selector_rank=16, mask_token_id=250, target_layer_ids=[0, 1, 2, 3, 5])
     if layout != "dflash2":
         header = {k: v for k, v in header.items() if "_conv." not in k and "candidate_selector" not in k}
@@ -317,12 +353,29 @@ def synthetic_checkpoint(folder: Path, layout: str, shards: int = 1, prefix: str
     if layout == "muse":
         muse = json.loads((FIXTURES / "muse-v1-assistant-config.json").read_text())
         dflash = cfg.pop("dflash_config")
-        muse.update({k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                          "num_key_value_heads", "head_dim", "vocab_size")}, **dflash)
+        muse.update(
+            {
+                k: cfg[k]
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "vocab_size",
+                )
+            },
+            **dflash,
+        )
         cfg = muse
-        header = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
-                  k.replace("hidden_norm.", "encoder.output_norm_enc.", 1) if k.startswith("hidden_norm.") else k: v
-                  for k, v in header.items()}
+        header = {
+            k.replace("fc.", "encoder.fc.", 1)
+            if k.startswith("fc.")
+            else k.replace("hidden_norm.", "encoder.output_norm_enc.", 1)
+            if k.startswith("hidden_norm.")
+            else k: v
+            for k, v in header.items()
+        }
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     rng = np.random.default_rng(seed)
@@ -348,25 +401,55 @@ def synthetic_checkpoint(folder: Path, layout: str, shards: int = 1, prefix: str
 
 # -- hybrid recurrent targets (GatedDeltaNet layers) -------------------------------------------------------
 
-_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-               linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_LINEAR = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 HYBRID_CONFIGS = {
     "qwen3_5": dict(model_type="qwen3_5", full_attention_interval=2, **_LINEAR),
-    "qwen3_5_moe": dict(model_type="qwen3_5_moe", full_attention_interval=2, num_experts=4,
-                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                        **_LINEAR),
-    "qwen3_next": dict(model_type="qwen3_next", full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
-                       decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[0],
-                       moe_intermediate_size=32, rope_theta=10000.0, partial_rotary_factor=0.5,
-                       max_position_embeddings=4096, **_LINEAR),
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe",
+        full_attention_interval=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **_LINEAR,
+    ),
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        full_attention_interval=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[0],
+        moe_intermediate_size=32,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=4096,
+        **_LINEAR,
+    ),
 }
 
 
 def make_hybrid(arch: str, vocab: int = 256, seed: int = 0, tied: bool = True):
     """A tiny hybrid target: 4 layers alternating GatedDeltaNet and full attention."""
-    config = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=vocab,
-                  tie_word_embeddings=tied, **HYBRID_CONFIGS[arch])
+    config = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        **HYBRID_CONFIGS[arch],
+    )
     return make_model(config, seed)
 
 
@@ -439,11 +522,19 @@ def decide_on(monkeypatch, costs: CostModel) -> None:
     monkeypatch.setattr(generate_module, "load_or_measure_costs", lambda target, drafter, B: costs)
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
     unverified = AdaptiveBlocks.observe_unverified
-    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
-                        lambda self, B, a, s: cycle(self, B, a, costs.passes_s(B, self.drafted_block(B))))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_unverified",
-                        lambda self, first, s: unverified(self, first, costs.passes_s(1, self.block_max)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0]))
+    monkeypatch.setattr(
+        AdaptiveBlocks,
+        "observe_cycle",
+        lambda self, B, a, s: cycle(self, B, a, costs.passes_s(B, self.drafted_block(B))),
+    )
+    monkeypatch.setattr(
+        AdaptiveBlocks,
+        "observe_unverified",
+        lambda self, first, s: unverified(self, first, costs.passes_s(1, self.block_max)),
+    )
+    monkeypatch.setattr(
+        AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0])
+    )
 
 
 # -- T > 0: the law mlx-lm's sampler draws from, and goodness of fit --------------------------------------------
@@ -478,6 +569,7 @@ def mlx_lm_probabilities(logits: mx.array, params: SamplingParams) -> np.ndarray
 def exact_distribution(model, params: SamplingParams, rows=mlx_lm_probabilities) -> dict[tuple, float]:
     """P(t0, t1, t2 | PROMPT) when each token is drawn from `rows(logits, params)` (by default mlx-lm's
     sampler), from full forwards of the target (no cache)."""
+
     def next_probs(prefixes):
         return rows(model(mx.array([PROMPT + list(p) for p in prefixes]))[:, -1], params)
 
@@ -486,8 +578,7 @@ def exact_distribution(model, params: SamplingParams, rows=mlx_lm_probabilities)
     pairs = list(itertools.product(range(V), repeat=2))
     p2 = next_probs(pairs)
     return {
-        (a, b, c): p0[a] * p1[a][b] * p2[pairs.index((a, b))][c]
-        for a, b, c in itertools.product(range(V), repeat=3)
+        (a, b, c): p0[a] * p1[a][b] * p2[pairs.index((a, b))][c] for a, b, c in itertools.product(range(V), repeat=3)
     }
 
 
@@ -511,8 +602,9 @@ def chi_square(samples: dict, expected: dict, n: int) -> tuple[float, float]:
     return stat, critical
 
 
-def sample_sequences(target: Target, drafter, params: SamplingParams, seed: int, n: int = N,
-                     blocks=lambda: FixedBlocks(3)) -> Counter:
+def sample_sequences(
+    target: Target, drafter, params: SamplingParams, seed: int, n: int = N, blocks=lambda: FixedBlocks(3)
+) -> Counter:
     """n draws of the 3 tokens after PROMPT straight from the decode loop: speculative with `drafter`
     (block size 3, or as `blocks()` decides), plain decoding without."""
     mx.random.seed(seed)
@@ -561,9 +653,24 @@ def wait_for(condition, what: str, timeout: float = TIMEOUT):
 def running(target_dir, drafter_dir, *flags):
     """A `dflash2 serve` App and HTTP server in this process, on the port the OS picks for `--port 0` (the
     second item yielded); stopped on exit."""
-    args = make_parser().parse_args(["serve", "--model", str(target_dir), "--draft-model", str(drafter_dir),
-                                     "--verify-mode", "dflash", "--block-size", "4", "--port", "0",
-                                     "--context-length", str(CONTEXT), *map(str, flags)])
+    args = make_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(target_dir),
+            "--draft-model",
+            str(drafter_dir),
+            "--verify-mode",
+            "dflash",
+            "--block-size",
+            "4",
+            "--port",
+            "0",
+            "--context-length",
+            str(CONTEXT),
+            *map(str, flags),
+        ]
+    )
     app, server = build_server(args)
     with serving_thread(app, server) as port:
         yield app, port
@@ -673,8 +780,11 @@ def slow_except(values, *fast) -> list:
 THINK_WORDS = ["<think>", "</think>"]
 CALL_WORDS = ["<tool_call>", "</tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}']
 CALL = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
-WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 # Qwen 3's way of thinking and calling tools, on the word-level vocabulary (words it lacks become <unk>): the
 # generation prompt opens the thinking ("<think>"), or with enable_thinking false closes it at once; "<think>" in
 # the vocabulary makes mlx-lm's wrapper a thinking one, "<tool_call>" and "tool_call.name" pick its json_tools parser;
@@ -714,8 +824,13 @@ def save_thinking_target(folder: Path, target_dir: Path) -> Path:
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"],
+    )
     fast.chat_template = THINK_TEMPLATE
     fast.save_pretrained(folder)
     return folder
@@ -742,10 +857,19 @@ def emitting(monkeypatch, tokenizer, text: str):
                 detokenizer.finalize()
             else:
                 detokenizer.add_token(t)
-            yield CycleResponse(text=detokenizer.last_segment, tokens=[t], accepted=None if n == 1 else 0,
-                                prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=n,
-                                generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
-                                verify_mode="dflash", block_size=None if n == 1 else 4)
+            yield CycleResponse(
+                text=detokenizer.last_segment,
+                tokens=[t],
+                accepted=None if n == 1 else 0,
+                prompt_tokens=len(prompt),
+                prompt_tps=1.0,
+                generation_tokens=n,
+                generation_tps=1.0,
+                peak_memory=0.0,
+                finish_reason="stop" if last else None,
+                verify_mode="dflash",
+                block_size=None if n == 1 else 4,
+            )
 
     monkeypatch.setattr(scheduler, "relayed_cycles", generation)
     yield prompts

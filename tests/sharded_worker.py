@@ -45,10 +45,15 @@ def main(jobs_file: str, out_dir: str) -> None:
     jobs, out = json.loads(Path(jobs_file).read_text()), Path(out_dir)
     group = distributed.init_group("ring", timeout=60)
     for job in jobs:
-        target, tokenizer, drafter = distributed.load(job["target"], job["drafter"], group, job["mode"],
-                                                      dtype="float32", kernels="mlx")
-        share = {"size": group.size(), "first_layer": target.first_layer, "layers": len(target.layers),
-                 "held": list(target.held_ids)}
+        target, tokenizer, drafter = distributed.load(
+            job["target"], job["drafter"], group, job["mode"], dtype="float32", kernels="mlx"
+        )
+        share = {
+            "size": group.size(),
+            "first_layer": target.first_layer,
+            "layers": len(target.layers),
+            "held": list(target.held_ids),
+        }
         (out / f"{job['name']}-rank{group.rank()}.json").write_text(json.dumps(share))
         if group.rank() != 0:
             distributed.follow(target)
@@ -75,8 +80,15 @@ def main(jobs_file: str, out_dir: str) -> None:
                     runs.append({"tokens": result.tokens, "accepted": result.accepted, "reused": cache.reused})
             if job.get("script"):  # greedy, drafts scripted from the target's known continuation
                 drafter.propose = scripted(job["prompt"] + job["script"], job.get("spoil_seed", 0))
-                result = generate(target, tokenizer, job["prompt"], drafter, max_tokens=len(job["script"]),
-                                  verify_mode="dflash", eos_token_ids=[])
+                result = generate(
+                    target,
+                    tokenizer,
+                    job["prompt"],
+                    drafter,
+                    max_tokens=len(job["script"]),
+                    verify_mode="dflash",
+                    eos_token_ids=[],
+                )
                 runs.append({"tokens": result.tokens, "accepted": result.accepted})
         np.save(out / f"{job['name']}-context.npy", np.concatenate(contexts))
         (out / f"{job['name']}.json").write_text(json.dumps({"runs": runs}))

@@ -12,14 +12,31 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import COSTS, decide_on, make_dflash2_drafter, make_drafter, make_oracle, make_target, prompts, run, \
-    save_drafter
+from helpers import (
+    COSTS,
+    decide_on,
+    make_dflash2_drafter,
+    make_drafter,
+    make_oracle,
+    make_target,
+    prompts,
+    run,
+    save_drafter,
+)
 
 import dflash2_mlx.adaptive as adaptive
 import dflash2_mlx.costs as costs_module
 from dflash2_mlx import decode, generate
-from dflash2_mlx.adaptive import (AcceptanceEstimates, AdaptiveBlocks, AdaptiveConfig, ClockScales, FixedBlocks, Gains,
-                                  TurnDetector, expected_tokens)
+from dflash2_mlx.adaptive import (
+    AcceptanceEstimates,
+    AdaptiveBlocks,
+    AdaptiveConfig,
+    ClockScales,
+    FixedBlocks,
+    Gains,
+    TurnDetector,
+    expected_tokens,
+)
 from dflash2_mlx.costs import CostModel, load_or_measure_costs
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.loading import bind_drafter, load_drafter
@@ -42,7 +59,9 @@ def test_expected_tokens_match_brute_force():
     estimates = AcceptanceEstimates(7)
     estimates.hits, estimates.seen = [0.9, 1.2, 0.3, 2.0, 0.1, 0.5, 0.7], [1.0, 2.0, 0.6, 2.5, 1.0, 0.5, 1.4]
     for B in range(1, 9):
-        assert expected_tokens(estimates.estimates(), B) == pytest.approx(brute_force_expected(estimates.estimates(), B))
+        assert expected_tokens(estimates.estimates(), B) == pytest.approx(
+            brute_force_expected(estimates.estimates(), B)
+        )
 
 
 def test_each_cycle_verifies_the_drafts_its_confidences_pay_for_and_learns_how_far_to_trust_them():
@@ -52,8 +71,10 @@ def test_each_cycle_verifies_the_drafts_its_confidences_pay_for_and_learns_how_f
     plain_rate = 1 / (COSTS.verify_s[0] + COSTS.draft_s[-1] / policy.run)  # a plain step and its share of a probe
 
     def by_hand(confidence, top=8):  # n = 0: no draft verified, the cycle a plain step after the drafter pass
-        gain = {n + 1: brute_force_expected(confidence[:n], n + 1) - plain_rate * COSTS.passes_s(n + 1, 8)
-                for n in range(0, top)}
+        gain = {
+            n + 1: brute_force_expected(confidence[:n], n + 1) - plain_rate * COSTS.passes_s(n + 1, 8)
+            for n in range(0, top)
+        }
         return max(gain, key=gain.get)
 
     sure, lukewarm, unsure, mixed = [0.95] * 7, [0.3] * 7, [0.1] * 7, [0.9, 0.9, 0.9, 0.05, 0.9, 0.9, 0.9]
@@ -115,9 +136,19 @@ def test_gains_are_a_decayed_mean():
     assert gains.mean == pytest.approx(4.0 / 1.75)
 
 
-@pytest.mark.parametrize("draft, plain, stale", [(None, None, False), (1.9, None, False), (2.1, None, True),
-                                                 (0.4, None, True), (3.0, 1.6, False), (1.0, 2.5, True),
-                                                 (5.0, 2.0, True), (None, 0.3, True)])
+@pytest.mark.parametrize(
+    "draft, plain, stale",
+    [
+        (None, None, False),
+        (1.9, None, False),
+        (2.1, None, True),
+        (0.4, None, True),
+        (3.0, 1.6, False),
+        (1.0, 2.5, True),
+        (5.0, 2.0, True),
+        (None, 0.3, True),
+    ],
+)
 def test_clock_scales_are_stale_past_twice_off(draft, plain, stale):
     """Plain steps against their measured time, cycles against plain steps (against their own time where no plain
     step was timed): any of them more than 2x off, either way."""
@@ -386,8 +417,9 @@ def test_running_plain_steps_a_cycle_is_priced_at_the_entry_discount_above_a_pla
         return rates
 
     def policy(acceptance, discount=discount):
-        return AdaptiveBlocks(COSTS, AdaptiveConfig(8, prior=[acceptance] * 7, prior_weight=100.0,
-                                                    entry_discount=discount))
+        return AdaptiveBlocks(
+            COSTS, AdaptiveConfig(8, prior=[acceptance] * 7, prior_weight=100.0, entry_discount=discount)
+        )
 
     near = policy(0.36)
     discounted, undiscounted = by_hand(near, discount), by_hand(near, 1.0)
@@ -500,10 +532,14 @@ def test_adaptive_is_lossless(arch, tokenizer, measured):
     model = make_target(arch, seed=5)
     for i, prompt in enumerate(prompts(2, seed=8)):
         plain, _, _ = run(model, tokenizer, prompt, max_tokens=60, eos_token_ids=[])
-        drafters = [make_drafter(model, block_size=8, seed=1), make_dflash2_drafter(model, block_size=8),
-                    make_oracle(model, prompt, block_size=8, spoil_seed=i), make_oracle(model, prompt, block_size=8),
-                    make_oracle(model, prompt, block_size=8, right_for=25),
-                    make_oracle(model, prompt, block_size=8, right_between=(10, 30))]
+        drafters = [
+            make_drafter(model, block_size=8, seed=1),
+            make_dflash2_drafter(model, block_size=8),
+            make_oracle(model, prompt, block_size=8, spoil_seed=i),
+            make_oracle(model, prompt, block_size=8),
+            make_oracle(model, prompt, block_size=8, right_for=25),
+            make_oracle(model, prompt, block_size=8, right_between=(10, 30)),
+        ]
         for drafter in drafters:
             r = generate(model, tokenizer, prompt, drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
             assert r.tokens == plain, f"{arch} prompt {i} {type(drafter).__name__}"
@@ -515,16 +551,26 @@ def test_the_oracle_gets_the_largest_block_within_three_cycles(tokenizer, measur
     """Every draft accepted: by its third cycle it drafts the largest block (8), and stays there."""
     model = make_target("qwen3", seed=6)
     prompt = prompts(1, seed=3)[0]
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
-                                                   verify_mode="adaptive", max_tokens=80, eos_token_ids=[]))
+    records = list(
+        generate_module.stream_cycles(
+            model,
+            tokenizer,
+            prompt,
+            make_oracle(model, prompt, 8),
+            verify_mode="adaptive",
+            max_tokens=80,
+            eos_token_ids=[],
+        )
+    )
     blocks = [r.block_size for r in records[1:-1]]  # the last cycle may be shortened by max_tokens
     cycles = [b for b in blocks if b > 1]
-    assert 8 in cycles[:3] and cycles[cycles.index(8):] == [8] * len(cycles[cycles.index(8):])
+    assert 8 in cycles[:3] and cycles[cycles.index(8) :] == [8] * len(cycles[cycles.index(8) :])
     assert len(cycles) >= 8 and all(r.accepted == r.block_size - 1 for r in records[1:-1] if r.block_size > 1)
 
 
 def test_an_unsure_drafter_that_is_always_right_goes_unverified_until_its_confidence_is_trusted(
-        tokenizer, measured, monkeypatch):
+    tokenizer, measured, monkeypatch
+):
     """An oracle whose rows give its drafts probability 0.05 (a first draft's place in the verify costs more than
     that buys): its first drafts go unverified, each scored by the token the cycle commits; right every time, its
     calibrated confidence rises until they are worth verifying, and then they are accepted. Greedy-identical
@@ -539,10 +585,15 @@ def test_an_unsure_drafter_that_is_always_right_goes_unverified_until_its_confid
             chosen.append(super().verified_block(B, confidence, left))
             return chosen[-1]
 
-    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: Recorded(COSTS, AdaptiveConfig(B)))
+    monkeypatch.setattr(
+        generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: Recorded(COSTS, AdaptiveConfig(B))
+    )
     oracle = make_oracle(model, prompt, block_size=8, logit_scale=2.6)
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle, verify_mode="adaptive",
-                                                   max_tokens=60, eos_token_ids=[]))
+    records = list(
+        generate_module.stream_cycles(
+            model, tokenizer, prompt, oracle, verify_mode="adaptive", max_tokens=60, eos_token_ids=[]
+        )
+    )
     assert [t for r in records for t in r.tokens] == plain
     trusted = next((i for i, B in enumerate(chosen) if B > 1), len(chosen))
     assert 3 <= trusted <= 10 and chosen[:trusted] == [1] * trusted, chosen
@@ -559,8 +610,11 @@ def test_a_drafter_right_only_inside_a_stretch_drafts_there_and_not_outside(toke
     prompt = prompts(1, seed=6)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=140, eos_token_ids=[])
     oracle = make_oracle(model, prompt, block_size=8, right_between=(lo, hi))
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle, verify_mode="adaptive",
-                                                   max_tokens=140, eos_token_ids=[]))
+    records = list(
+        generate_module.stream_cycles(
+            model, tokenizer, prompt, oracle, verify_mode="adaptive", max_tokens=140, eos_token_ids=[]
+        )
+    )
     assert [t for r in records for t in r.tokens] == plain
     inside, before, after, drafted_inside, committed = 0, 0, 0, 0, 0
     for r in records:
@@ -582,10 +636,13 @@ def test_a_drafter_right_only_inside_a_stretch_drafts_there_and_not_outside(toke
     assert shadows and all(len(s) == 7 for s in shadows[:-1])
 
 
-@pytest.mark.parametrize("plain_off, cycle_off, stale", [(1.0, 1.3, False), (0.1, 0.1, True), (5.0, 5.0, True),
-                                                        (1.0, 3.0, True), (1.8, 1.0, False)])
-def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypatch, tokenizer, plain_off, cycle_off,
-                                                             stale):
+@pytest.mark.parametrize(
+    "plain_off, cycle_off, stale",
+    [(1.0, 1.3, False), (0.1, 0.1, True), (5.0, 5.0, True), (1.0, 3.0, True), (1.8, 1.0, False)],
+)
+def test_costs_off_by_more_than_the_ratio_are_measured_again(
+    tmp_path, monkeypatch, tokenizer, plain_off, cycle_off, stale
+):
     """A cost model measured while the machine was busy (or before it changed) is dropped from the cache
     when a generation's timed plain steps, or its cycles relative to them, are more than 2x off it; the
     next generation measures again. Timings within 2x keep it. (The drafter is the oracle: cycles are timed
@@ -596,12 +653,23 @@ def test_costs_off_by_more_than_the_ratio_are_measured_again(tmp_path, monkeypat
     drafter = make_oracle(model, prompt, block_size=4)
     key = costs_module.cost_key(bind_drafter(drafter, model), drafter, 4)
     costs = CostModel(COSTS.verify_s[:4], COSTS.draft_s[:3])
-    (tmp_path / "costs.json").write_text(json.dumps({key: {"verify_s": costs.verify_s, "draft_s": costs.draft_s},
-                                                     "another machine": {"verify_s": [1.0], "draft_s": []}}))
+    (tmp_path / "costs.json").write_text(
+        json.dumps(
+            {
+                key: {"verify_s": costs.verify_s, "draft_s": costs.draft_s},
+                "another machine": {"verify_s": [1.0], "draft_s": []},
+            }
+        )
+    )
     cycle, plain = AdaptiveBlocks.observe_cycle, AdaptiveBlocks.observe_plain
-    monkeypatch.setattr(AdaptiveBlocks, "observe_cycle",
-                        lambda self, B, a, s: cycle(self, B, a, cycle_off * plain_off * costs.passes_s(B)))
-    monkeypatch.setattr(AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, plain_off * n * costs.verify_s[0]))
+    monkeypatch.setattr(
+        AdaptiveBlocks,
+        "observe_cycle",
+        lambda self, B, a, s: cycle(self, B, a, cycle_off * plain_off * costs.passes_s(B)),
+    )
+    monkeypatch.setattr(
+        AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, plain_off * n * costs.verify_s[0])
+    )
     generate(model, tokenizer, prompt, drafter, verify_mode="adaptive", max_tokens=60, eos_token_ids=[])
     kept = json.loads((tmp_path / "costs.json").read_text())
     assert (key not in kept) == stale and "another machine" in kept
@@ -618,14 +686,27 @@ def test_a_plain_run_ends_where_its_probe_says_drafting_pays(tokenizer, measured
     cycle. Control: with the early end switched off the run takes all 16 steps."""
     model = make_target("qwen3", seed=6)
     prompt = prompts(1, seed=3)[0]
-    monkeypatch.setattr(generate_module, "block_policy",
-                        lambda target, drafter, B, mode, costs=None: AdaptiveBlocks(COSTS, AdaptiveConfig(
-                            B, prior=[0.0] * (B - 1), prior_weight=1.0, plain_run_max=16)))
+    monkeypatch.setattr(
+        generate_module,
+        "block_policy",
+        lambda target, drafter, B, mode, costs=None: AdaptiveBlocks(
+            COSTS, AdaptiveConfig(B, prior=[0.0] * (B - 1), prior_weight=1.0, plain_run_max=16)
+        ),
+    )
     if not cut:
         monkeypatch.setattr(AdaptiveBlocks, "drafting_wins", lambda self, left: False)
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, 8),
-                                                   verify_mode="adaptive", max_tokens=40, eos_token_ids=[],
-                                                   copyspec_mode="off"))  # runs ended by probes alone
+    records = list(
+        generate_module.stream_cycles(
+            model,
+            tokenizer,
+            prompt,
+            make_oracle(model, prompt, 8),
+            verify_mode="adaptive",
+            max_tokens=40,
+            eos_token_ids=[],
+            copyspec_mode="off",
+        )
+    )  # runs ended by probes alone
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=40, eos_token_ids=[])
     assert [t for r in records for t in r.tokens] == plain
     first_cycle = next(i for i, r in enumerate(records) if r.block_size and r.block_size > 1)
@@ -643,8 +724,12 @@ def test_calibration_probes_are_evenly_spaced_even_when_they_say_drafting_pays(t
     prompt = prompts(1, seed=3)[0]
     drafter = make_oracle(model, prompt, 8)
     policy = adaptive.ShadowBlocks(COSTS, AdaptiveConfig(8))
-    steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
-                                                 SamplingParams(), policy, 60), 41)
+    steps = itertools.islice(
+        decode.dflash_steps(
+            bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32), SamplingParams(), policy, 60
+        ),
+        41,
+    )
     probed = [i for i, step in enumerate(steps) if step.shadow is not None]
     assert probed == [7, 15, 23, 31, 39]  # each run of 8: its probe scored at its 7th token
     assert AdaptiveBlocks.drafting_wins(policy, None)  # what an adaptive run would have cut at
@@ -663,8 +748,12 @@ def test_a_probes_score_is_queued_before_the_next_plain_step(tokenizer, monkeypa
     monkeypatch.setattr(decode, "_plain_step", lambda *a: dispatched.append(1) or step(*a))
     monkeypatch.setattr(decode, "draft_acceptance", lambda *a: at_score.append(len(dispatched)) or score(*a))
     policy = adaptive.ShadowBlocks(COSTS, AdaptiveConfig(8))
-    steps = itertools.islice(decode.dflash_steps(bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32),
-                                                 SamplingParams(), policy, 60), 41)
+    steps = itertools.islice(
+        decode.dflash_steps(
+            bind_drafter(drafter, model), drafter, mx.array(prompt, mx.uint32), SamplingParams(), policy, 60
+        ),
+        41,
+    )
     assert [i for i, s in enumerate(steps) if s.shadow is not None] == [7, 15, 23, 31, 39]
     assert at_score == [7, 15, 23, 31, 39]
 
@@ -696,8 +785,11 @@ def test_cycles_verifying_fewer_drafts_take_them_from_a_full_block(tokenizer, mo
     prompt = prompts(1, seed=3)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=60, eos_token_ids=[])
     drafter = RightOnlyFromFullBlocks(make_oracle(model, prompt, block_size=8))
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, drafter.oracle, verify_mode="adaptive",
-                                                   max_tokens=60, eos_token_ids=[]))
+    records = list(
+        generate_module.stream_cycles(
+            model, tokenizer, prompt, drafter.oracle, verify_mode="adaptive", max_tokens=60, eos_token_ids=[]
+        )
+    )
     assert [t for r in records for t in r.tokens] == plain
     cycles = [r for r in records[:-1] if r.block_size is not None and r.block_size > 1]  # the last may be cut
     assert len(cycles) >= 8 and {r.block_size for r in cycles} == {3}, [r.block_size for r in cycles]

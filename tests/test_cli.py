@@ -18,8 +18,19 @@ from dflash2_apps.cli import main, make_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 JSON_FIELDS = {
-    "text", "tokens", "prompt_tokens", "generation_tokens", "accepted", "tau", "cycles",
-    "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "verify_mode", "block_size",
+    "text",
+    "tokens",
+    "prompt_tokens",
+    "generation_tokens",
+    "accepted",
+    "tau",
+    "cycles",
+    "generation_tps",
+    "prompt_tps",
+    "peak_memory_gb",
+    "finish_reason",
+    "verify_mode",
+    "block_size",
 }
 
 
@@ -60,8 +71,21 @@ def test_json_output_and_lossless_through_the_cli(tiny_pair, capsys):
 
 def test_streaming_output_ends_with_a_summary(tiny_pair, capsys):
     target, drafter = tiny_pair
-    code, out, err = run_cli(capsys, "--model", target, "--draft-model", drafter, "--prompt", "w5",
-                             "--max-tokens", 10, "--temp", 0.7, "--seed", 3)
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        target,
+        "--draft-model",
+        drafter,
+        "--prompt",
+        "w5",
+        "--max-tokens",
+        10,
+        "--temp",
+        0.7,
+        "--seed",
+        3,
+    )
     assert code == 0
     words = len(out.split())  # one word per token; EOS is not rendered
     assert 1 <= words <= 10
@@ -91,8 +115,10 @@ def test_errors_are_one_clear_line(tiny_pair, capsys, args, message):
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
     assert main(["info"]) == 2  # neither a drafter nor --self-check: a ValueError of the command's own
-    assert capsys.readouterr().err == "dflash2 info: error: give a drafter folder or hub id (dflash2 info PATH), " \
+    assert (
+        capsys.readouterr().err == "dflash2 info: error: give a drafter folder or hub id (dflash2 info PATH), "
         "--self-check or --assets\n"
+    )
     assert main(["info", "/no/such/drafter"]) == 2  # a FileNotFoundError of the library's
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -133,25 +159,50 @@ def test_verbose_shows_the_traceback(capsys, monkeypatch):
         main(["--verbose", "info", "somewhere"])
     with pytest.raises(ZeroDivisionError):  # the flag after the command too
         main(["info", "somewhere", "--verbose"])
-    run = subprocess.run([sys.executable, "-m", "dflash2_apps.cli", "info", "/no/such/drafter", "--verbose"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash2_apps.cli", "info", "/no/such/drafter", "--verbose"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1
     assert run.stderr.startswith("Traceback (most recent call last):") and "in resolve_path" in run.stderr
-    assert run.stderr.splitlines()[-1] == "FileNotFoundError: '/no/such/drafter' is neither an existing path nor " \
+    assert (
+        run.stderr.splitlines()[-1] == "FileNotFoundError: '/no/such/drafter' is neither an existing path nor "
         "a hub id (owner/name)"
+    )
 
 
 @pytest.mark.slow
 def test_only_the_running_commands_module_is_imported():
     """`dflash2 export ...` imports the export module, not the bench's or the server's (start-up time), and
     `dflash2 --help` still lists every command."""
-    code = ("import sys; from dflash2_apps.cli import COMMANDS, make_parser, module_of; "
-            "make_parser('export').parse_args(['export', '--mlx-path', 'a', '--hf-path', 'b']); "
-            "print(sorted(c for c in COMMANDS if module_of(c) in sys.modules)); "
-            "print(sorted(make_parser('export')._subparsers._group_actions[0].choices))")
+    code = (
+        "import sys; from dflash2_apps.cli import COMMANDS, make_parser, module_of; "
+        "make_parser('export').parse_args(['export', '--mlx-path', 'a', '--hf-path', 'b']); "
+        "print(sorted(c for c in COMMANDS if module_of(c) in sys.modules)); "
+        "print(sorted(make_parser('export')._subparsers._group_actions[0].choices))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["['export']", str(sorted(["generate", "serve", "chat", "convert", "export", "data",
-                                                          "train", "bench", "replay", "tree-sim", "info"]))]
+    assert out.splitlines() == [
+        "['export']",
+        str(
+            sorted(
+                [
+                    "generate",
+                    "serve",
+                    "chat",
+                    "convert",
+                    "export",
+                    "data",
+                    "train",
+                    "bench",
+                    "replay",
+                    "tree-sim",
+                    "info",
+                ]
+            )
+        ),
+    ]
 
 
 def test_replay_and_tree_sim_flags_parse_under_both_spellings():
@@ -165,7 +216,9 @@ def test_replay_and_tree_sim_flags_parse_under_both_spellings():
     assert (long.replay_traces, long.replay_jitter, long.walk) == ("t.json", 3, "greedy")
     sim = make_parser("tree-sim")
     short = sim.parse_args(["tree-sim", "data", "--budgets", "1,4", "--samples", "2", "--block-sizes", "4"])
-    long = sim.parse_args(["tree-sim", "data", "--tree-budgets", "1,4", "--tree-sim-samples", "2", "--block-sizes", "4"])
+    long = sim.parse_args(
+        ["tree-sim", "data", "--tree-budgets", "1,4", "--tree-sim-samples", "2", "--block-sizes", "4"]
+    )
     for args in (short, long):
         assert (args.tree_sim, args.tree_budgets, args.tree_sim_samples, args.block_sizes) == ("data", "1,4", 2, "4")
     assert short.run.__module__ == "dflash2_apps.tree_sim"
@@ -187,8 +240,22 @@ def test_replay_runs_as_a_command_and_bench_replay_says_so(tiny_pair, tmp_path, 
     suite.write_text(json.dumps({"prompt": "w1 w2 w3 w4"}) + "\n")
     curve = {"verify_s": [0.1 + 0.01 * n for n in range(8)], "draft_s": [0.02] * 7}  # the drafter's blocks: to 8
     costs.write_text(json.dumps(curve))
-    common = ["--model", str(target), "--draft-model", str(drafter), "--prompts", str(suite), "--num-prompts", "1",
-              "--max-tokens", "12", "--block-sizes", "3", "--costs", str(costs)]
+    common = [
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--prompts",
+        str(suite),
+        "--num-prompts",
+        "1",
+        "--max-tokens",
+        "12",
+        "--block-sizes",
+        "3",
+        "--costs",
+        str(costs),
+    ]
     notice = "dflash2 bench: --replay is the command `dflash2 replay` now"
     assert main(["replay", *common, "--traces", str(traces), "--json", str(tmp_path / "a.json")]) == 0
     assert notice not in capsys.readouterr().err
@@ -196,8 +263,9 @@ def test_replay_runs_as_a_command_and_bench_replay_says_so(tiny_pair, tmp_path, 
     (row,) = report["replay"]
     kept = next(iter(json.loads(traces.read_text()).values()))
     trace = Trace(kept["tokens"], {int(B): d for B, d in kept["drafts"].items()})
-    assert row["fixed"]["3"] == pytest.approx(replay(trace, FixedBlocks(3), CostModel(**curve), 12).tokens_per_s
-                                              * curve["verify_s"][0])
+    assert row["fixed"]["3"] == pytest.approx(
+        replay(trace, FixedBlocks(3), CostModel(**curve), 12).tokens_per_s * curve["verify_s"][0]
+    )
     assert main(["bench", "--replay", *common, "--replay-traces", str(traces), "--json", str(tmp_path / "b.json")]) == 0
     assert capsys.readouterr().err.count(notice) == 1
     assert json.loads((tmp_path / "b.json").read_text())["replay"] == report["replay"]
@@ -235,7 +303,8 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, ROOT],
-        check=True, cwd=tmp_path,
+        check=True,
+        cwd=tmp_path,
     )
     env_dir = tmp_path / "env"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
@@ -248,20 +317,33 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     import zipfile
 
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "dflash2_mlx").rglob("*") if p.is_file()
-              and "__pycache__" not in p.parts}
+    needed = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "dflash2_mlx").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     needed |= {"dflash2_apps/" + p.name for p in (ROOT / "apps").glob("*.py")}
     needed |= {"dflash2_metal/" + p.name for p in (ROOT / "metal").iterdir() if p.suffix in (".py", ".metal", ".h")}
     assert needed <= shipped, sorted(needed - shipped)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (a checkout there looks installed to pip)
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "-q", wheel],
-        check=True, cwd=tmp_path, env=env,
+        check=True,
+        cwd=tmp_path,
+        env=env,
     )
     where = subprocess.run(
-        [python, "-c", "import dflash2_mlx, dflash2_apps, dflash2_metal; from dflash2_mlx.kernels import kernel; "
-         "kernel('lattice_path'); print(dflash2_mlx.__file__, dflash2_apps.__file__, dflash2_metal.__file__)"],
-        check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+        [
+            python,
+            "-c",
+            "import dflash2_mlx, dflash2_apps, dflash2_metal; from dflash2_mlx.kernels import kernel; "
+            "kernel('lattice_path'); print(dflash2_mlx.__file__, dflash2_apps.__file__, dflash2_metal.__file__)",
+        ],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     ).stdout
     assert str(ROOT) not in where and str(env_dir) in where
     dflash2 = env_dir / "bin" / "dflash2"
@@ -270,9 +352,24 @@ def test_installed_wheel_runs_outside_the_checkout(tiny_pair, tmp_path):
     ).stdout
     assert "--draft-model" in help_text and "--verify-mode" in help_text
     result = subprocess.run(
-        [dflash2, "generate", "--model", target, "--draft-model", drafter, "--prompt", "w7 w8",
-         "--max-tokens", "9", "--json"],
-        check=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+        [
+            dflash2,
+            "generate",
+            "--model",
+            target,
+            "--draft-model",
+            drafter,
+            "--prompt",
+            "w7 w8",
+            "--max-tokens",
+            "9",
+            "--json",
+        ],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     out = json.loads(result.stdout)
     assert out["generation_tokens"] == 9 and out["verify_mode"] == "adaptive"
@@ -299,19 +396,58 @@ def test_dflash2_flags(tiny_pair, tiny_dflash2, capsys):
 def test_omlx_settings_drive_the_run(tiny_pair, tiny_dflash2, tmp_path, capsys):
     target, _ = tiny_pair
     settings = tmp_path / "model_settings.json"
-    settings.write_text(json.dumps({"version": 1, "models": {"tiny": {
-        "dflash_enabled": True, "dflash_draft_model": str(tiny_dflash2), "dflash_block_size": 3,
-        "dflash_draft_quant_enabled": True, "dflash_draft_quant_weight_bits": 8,
-        "dflash_draft_quant_activation_bits": 32, "dflash_draft_quant_group_size": 32,
-    }}}))
-    code, out, err = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
-                             "--prompt", "w3", "--max-tokens", 6, "--json")
+    settings.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "models": {
+                    "tiny": {
+                        "dflash_enabled": True,
+                        "dflash_draft_model": str(tiny_dflash2),
+                        "dflash_block_size": 3,
+                        "dflash_draft_quant_enabled": True,
+                        "dflash_draft_quant_weight_bits": 8,
+                        "dflash_draft_quant_activation_bits": 32,
+                        "dflash_draft_quant_group_size": 32,
+                    }
+                },
+            }
+        )
+    )
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        target,
+        "--omlx-settings",
+        settings,
+        "--omlx-model",
+        "tiny",
+        "--prompt",
+        "w3",
+        "--max-tokens",
+        6,
+        "--json",
+    )
     r = json.loads(out)
     # no dflash_verify_mode: oMLX's default, adaptive, which runs as adaptive here
     assert code == 0 and r["verify_mode"] == "adaptive" and r["block_size"] == 3 and r["draft_quant"] == "w8a32:gs32"
     assert "oMLX settings" not in err
-    code, out, _ = run_cli(capsys, "--model", target, "--omlx-settings", settings, "--omlx-model", "tiny",
-                           "--prompt", "w3", "--max-tokens", 6, "--json", "--block-size", 2)
+    code, out, _ = run_cli(
+        capsys,
+        "--model",
+        target,
+        "--omlx-settings",
+        settings,
+        "--omlx-model",
+        "tiny",
+        "--prompt",
+        "w3",
+        "--max-tokens",
+        6,
+        "--json",
+        "--block-size",
+        2,
+    )
     assert json.loads(out)["block_size"] == 2  # the command line wins
 
 

@@ -59,8 +59,9 @@ def test_a_tree_verify_curve_reaches_past_the_block(tmp_path, monkeypatch):
     drafter = make_drafter(model, block_size=4)
     target = bind_drafter(drafter, model)
     timed = []
-    monkeypatch.setattr(costs_module, "_best_seconds",
-                        lambda fns, repeats: [fn() or timed.append(1) or 0.01 * len(timed) for fn in fns])
+    monkeypatch.setattr(
+        costs_module, "_best_seconds", lambda fns, repeats: [fn() or timed.append(1) or 0.01 * len(timed) for fn in fns]
+    )
     costs = load_or_measure_costs(target, drafter, 4, 33)
     assert len(costs.verify_s) == 33 and len(costs.draft_s) == 3 and costs.block_max == 4
     # timed values 0.01 * k at the k-th point: check the interpolation against NumPy's

@@ -39,14 +39,16 @@ def test_greedy_identical_to_plain(arch, tokenizer):
         assert len(plain) == max_tokens
         for B in BLOCK_SIZES[i::3]:
             if B in RANDOM_DRAFTER_BLOCK_SIZES:
-                spec, accepted, _ = run(model, tokenizer, prompt, random_drafter, block_size=B,
-                                        max_tokens=max_tokens, eos_token_ids=[])
+                spec, accepted, _ = run(
+                    model, tokenizer, prompt, random_drafter, block_size=B, max_tokens=max_tokens, eos_token_ids=[]
+                )
                 assert spec == plain, f"{arch} prompt {i} B={B} (random drafter)"
                 assert_cycles_just_cover(accepted, B, max_tokens)
                 random_accepted += accepted
             oracle = make_oracle(model, prompt, block_size=16, spoil_seed=100 * i + B)
-            spec, accepted, _ = run(model, tokenizer, prompt, oracle, block_size=B,
-                                    max_tokens=max_tokens, eos_token_ids=[])
+            spec, accepted, _ = run(
+                model, tokenizer, prompt, oracle, block_size=B, max_tokens=max_tokens, eos_token_ids=[]
+            )
             assert spec == plain, f"{arch} prompt {i} B={B} (oracle)"
             assert_cycles_just_cover(accepted, B, max_tokens)
             assert oracle.calls == len(accepted)  # one drafter pass per cycle
@@ -129,8 +131,9 @@ def test_sliding_window_target_past_its_window(tokenizer):
 def test_stream_records(tokenizer):
     model = make_target("qwen3")
     drafter = make_drafter(model, block_size=4)
-    records = list(stream_cycles(model, tokenizer, "w1 w2 w3", drafter, verify_mode="dflash", max_tokens=12,
-                                   eos_token_ids=[]))
+    records = list(
+        stream_cycles(model, tokenizer, "w1 w2 w3", drafter, verify_mode="dflash", max_tokens=12, eos_token_ids=[])
+    )
     assert records[0].accepted is None and len(records[0].tokens) == 1
     assert all(r.accepted is not None and len(r.tokens) == r.accepted + 1 for r in records[1:-1])
     assert [r.generation_tokens for r in records] == sorted(r.generation_tokens for r in records)
@@ -213,18 +216,42 @@ def test_interleaved_generations_on_one_model(tokenizer):
     model = make_target("qwen3", seed=2)
     prompt = prompts(1, seed=5)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=24, eos_token_ids=[])
-    first = stream_cycles(model, tokenizer, prompt, make_oracle(model, prompt, block_size=4, spoil_seed=1),
-                            block_size=4, max_tokens=24, eos_token_ids=[])
-    second = stream_cycles(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3),
-                             block_size=4, max_tokens=24, eos_token_ids=[])
+    first = stream_cycles(
+        model,
+        tokenizer,
+        prompt,
+        make_oracle(model, prompt, block_size=4, spoil_seed=1),
+        block_size=4,
+        max_tokens=24,
+        eos_token_ids=[],
+    )
+    second = stream_cycles(
+        model,
+        tokenizer,
+        prompt,
+        make_drafter(model, block_size=4, seed=3),
+        block_size=4,
+        max_tokens=24,
+        eos_token_ids=[],
+    )
     tokens = list(next(first).tokens) + list(next(first).tokens)
     with pytest.raises(RuntimeError, match="already being captured by another speculative generation"):
         next(second)
     tokens += [t for r in first for t in r.tokens]
     assert tokens == plain
     # the model is free again: a new generation runs and is still lossless
-    assert run(model, tokenizer, prompt, make_drafter(model, block_size=4, seed=3), block_size=4,
-               max_tokens=24, eos_token_ids=[])[0] == plain
+    assert (
+        run(
+            model,
+            tokenizer,
+            prompt,
+            make_drafter(model, block_size=4, seed=3),
+            block_size=4,
+            max_tokens=24,
+            eos_token_ids=[],
+        )[0]
+        == plain
+    )
 
 
 @pytest.mark.parametrize("mode", ["off", "dflash", "ddtree"])
@@ -241,8 +268,9 @@ def test_the_loops_free_cached_buffers_as_mlx_lm_does(mode, tokenizer, monkeypat
     cleared, real = [], mx.clear_cache
     record = []
     monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(len(record)) or real())
-    for r in stream_cycles(model, tokenizer, prompt, drafter, verify_mode=mode, block_size=4, max_tokens=40,
-                             eos_token_ids=[]):
+    for r in stream_cycles(
+        model, tokenizer, prompt, drafter, verify_mode=mode, block_size=4, max_tokens=40, eos_token_ids=[]
+    ):
         record += r.tokens
     assert record == plain
     assert cleared[0] == 1  # right after the prefill's token

@@ -10,7 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    DFLASH2, drafter_config, make_dflash2_drafter, make_drafter, make_target, save_drafter, slow_except,
+    DFLASH2,
+    drafter_config,
+    make_dflash2_drafter,
+    make_drafter,
+    make_target,
+    save_drafter,
+    slow_except,
     synthetic_checkpoint,
 )
 from mlx.utils import tree_flatten
@@ -45,7 +51,9 @@ def random_conv(D=48, K=2, G=16, seed=0) -> DynamicShortConv:
     conv = DynamicShortConv(D, K, G)
     key = mx.random.key(seed)
     conv.base_kernel = mx.random.normal(conv.base_kernel.shape, key=key)
-    conv.kernel_projection.weight = 0.2 * mx.random.normal(conv.kernel_projection.weight.shape, key=mx.random.key(seed + 1))
+    conv.kernel_projection.weight = 0.2 * mx.random.normal(
+        conv.kernel_projection.weight.shape, key=mx.random.key(seed + 1)
+    )
     return conv
 
 
@@ -88,7 +96,8 @@ def test_identity_initialisation_reduces_to_dflash_v1():
     bind_drafter(v2, target)
     block, ctx = mx.array([[5, 255, 255, 255]]), mx.random.normal((1, 6, 128), key=mx.random.key(2))
     np.testing.assert_allclose(
-        np.array(v2.hidden(block, ctx, v2.make_cache())), np.array(v1.hidden(block, ctx, v1.make_cache())),
+        np.array(v2.hidden(block, ctx, v2.make_cache())),
+        np.array(v1.hidden(block, ctx, v1.make_cache())),
         atol=1e-5,
     )
 
@@ -115,9 +124,13 @@ def test_lattice_matches_reference(T):
     logits = mx.array(RNG.normal(size=(T, V)).astype(np.float32) * 3)
     lat = sel.lattice(hidden, logits, mx.array(7))
     cand, first, edges = selector_reference(
-        np.array(hidden, np.float64), np.array(logits, np.float64), 7,
-        np.array(sel.predecessor_codebook.weight, np.float64), np.array(sel.successor_codebook.weight, np.float64),
-        np.array(sel.hidden_projection.weight, np.float64), k,
+        np.array(hidden, np.float64),
+        np.array(logits, np.float64),
+        7,
+        np.array(sel.predecessor_codebook.weight, np.float64),
+        np.array(sel.successor_codebook.weight, np.float64),
+        np.array(sel.hidden_projection.weight, np.float64),
+        k,
     )
     np.testing.assert_array_equal(np.array(lat.candidates), cand)
     scores = np.array(lat.scores)
@@ -147,8 +160,10 @@ def test_walks_against_brute_force(seed):
     greedy = walk_greedy(lat).tolist()
     assert greedy == seq
     # every one of the k^T paths
-    totals = {p: first[p[0]] + sum(edges[t - 1][p[t - 1], p[t]] for t in range(1, T))
-              for p in itertools.product(range(k), repeat=T)}
+    totals = {
+        p: first[p[0]] + sum(edges[t - 1][p[t - 1], p[t]] for t in range(1, T))
+        for p in itertools.product(range(k), repeat=T)
+    }
     best = max(totals, key=totals.get)
     viterbi = walk_viterbi(lat).tolist()
     assert tuple(viterbi) == best
@@ -178,8 +193,17 @@ def test_greedy_lossless_with_both_walks(arch, walk, tokenizer):
     for i, prompt in enumerate([[7, 19, 33], list(range(40, 71))]):
         plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=30, eos_token_ids=[])
         for B in (2, 3, 5, 9, 16):
-            spec = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=B, walk=walk, max_tokens=30,
-                            eos_token_ids=[])
+            spec = generate(
+                model,
+                tokenizer,
+                prompt,
+                drafter,
+                verify_mode="dflash",
+                block_size=B,
+                walk=walk,
+                max_tokens=30,
+                eos_token_ids=[],
+            )
             assert spec.tokens == plain.tokens, f"{arch} {walk} prompt {i} B={B}"
 
 
@@ -216,13 +240,15 @@ def test_non_finite_drafts_fall_back_to_plain_decoding(tokenizer, sampling):
     drafter.layers[0].mlp.down_proj.weight = drafter.layers[0].mlp.down_proj.weight * mx.nan
     plain = generate(model, tokenizer, [4, 5, 6], None, verify_mode="off", max_tokens=12, eos_token_ids=[])
     with pytest.warns(RuntimeWarning, match="non-finite logits"):
-        spec = generate(model, tokenizer, [4, 5, 6], drafter, verify_mode="dflash", max_tokens=12, eos_token_ids=[],
-                        **sampling)
+        spec = generate(
+            model, tokenizer, [4, 5, 6], drafter, verify_mode="dflash", max_tokens=12, eos_token_ids=[], **sampling
+        )
     assert spec.tokens == plain.tokens
     assert spec.draft_failures == spec.cycles == 11 and spec.accepted == [0] * 11
 
 
 # -- the published DFlash 2 layout, shrunk ----------------------------------------------------------------
+
 
 def test_published_layout_loads_and_decodes(tmp_path, tokenizer):
     folder = synthetic_checkpoint(tmp_path / "d2", "dflash2")
@@ -232,8 +258,7 @@ def test_published_layout_loads_and_decodes(tmp_path, tokenizer):
     model = make_target("qwen3", layers=6)
     plain = generate(model, tokenizer, [3, 4, 5], None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     for walk in ("greedy", "viterbi"):
-        spec = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=20,
-                        eos_token_ids=[])
+        spec = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=20, eos_token_ids=[])
         assert spec.tokens == plain.tokens
 
 

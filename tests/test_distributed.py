@@ -24,8 +24,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from helpers import (
-    make_dflash2_drafter, make_drafter, make_hybrid, make_target, ring_ports, save_drafter, save_target, save_tokenizer,
-    start_ring, target_config,
+    make_dflash2_drafter,
+    make_drafter,
+    make_hybrid,
+    make_target,
+    ring_ports,
+    save_drafter,
+    save_target,
+    save_tokenizer,
+    start_ring,
+    target_config,
 )
 from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
@@ -39,9 +47,11 @@ TOKENS = 24
 # every recurrent state too, and rolls back its slice
 # qwen3 and llama are pipelined by dflash2 (`patches.pipeline_stage`: mlx-lm has no pipeline for them); the llama
 # target has sliding-window layers (a windowed mask and a rotating cache in each stage)
-CASES = {f"{arch}-{mode}-{kind}": (arch, mode, kind)
-         for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"), ("qwen3", "pipeline"), ("qwen3", "tensor"))
-         for kind in ("v1", "dflash2")}
+CASES = {
+    f"{arch}-{mode}-{kind}": (arch, mode, kind)
+    for arch, mode in (("qwen2", "pipeline"), ("qwen3_5", "pipeline"), ("qwen3", "pipeline"), ("qwen3", "tensor"))
+    for kind in ("v1", "dflash2")
+}
 CASES["qwen3_5-tensor-v1"] = ("qwen3_5", "tensor", "v1")
 CASES["llama_swa-pipeline-v1"] = ("llama_swa", "pipeline", "v1")
 GREEDY = dict(max_tokens=TOKENS, verify_mode="dflash", block_size=4, eos_token_ids=[])
@@ -50,14 +60,21 @@ SAMPLED = dict(GREEDY, temp=2.0, seed=3)
 # back to them (KV caches trimmed in every process; the hybrid and sliding-window targets start afresh)
 CACHED = [PROMPT, PROMPT[:50] + [20, 21, 22, 23, 24]]
 # `python -m dflash2_apps.cli` from this checkout's apps/ (an editable install may map the package elsewhere)
-CLI = [sys.executable, "-c", "import importlib.util, sys; apps = sys.argv.pop(1); spec = importlib.util."
-       "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
-       "sys.modules['dflash2_apps'] = importlib.util.module_from_spec(spec); spec.loader.exec_module("
-       "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())", str(ROOT / "apps")]
+CLI = [
+    sys.executable,
+    "-c",
+    "import importlib.util, sys; apps = sys.argv.pop(1); spec = importlib.util."
+    "spec_from_file_location('dflash2_apps', apps + '/__init__.py', submodule_search_locations=[apps]); "
+    "sys.modules['dflash2_apps'] = importlib.util.module_from_spec(spec); spec.loader.exec_module("
+    "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())",
+    str(ROOT / "apps"),
+]
 # run by the qwen2 pipeline v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
 # decoding
-EXTRA = [dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
-         dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[])]
+EXTRA = [
+    dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
+    dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[]),
+]
 
 
 def ring_env(folder: Path, ports: list[int], env: dict | None = None) -> dict:
@@ -65,22 +82,41 @@ def ring_env(folder: Path, ports: list[int], env: dict | None = None) -> dict:
     PYTHONPATH, and `env`."""
     hostfile = folder / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
-    return {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return {
+        **os.environ,
+        **(env or {}),
+        "MLX_HOSTFILE": str(hostfile),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
 
 
-def start_ranks(commands: list[list[str]], folder: Path, ranks=None, env: dict | None = None, ready=None,
-                timeout: float = LAUNCH_TIMEOUT) -> list[subprocess.Popen]:
+def start_ranks(
+    commands: list[list[str]],
+    folder: Path,
+    ranks=None,
+    env: dict | None = None,
+    ready=None,
+    timeout: float = LAUNCH_TIMEOUT,
+) -> list[subprocess.Popen]:
     """One process per command as ranks 0.. of a ring over 127.0.0.1, as `mlx.launch` starts them (only `ranks` of
     them, if given: the others never come; stdout and stderr in folder/outR.txt and errR.txt; `env`: more
     environment variables); returned as `start_ring` returns them."""
+
     def start(ports, folder):
         environ, procs = ring_env(folder, ports, env), []
         for rank, command in enumerate(commands):
             if ranks is None or rank in ranks:
                 with open(folder / f"out{rank}.txt", "w") as out, open(folder / f"err{rank}.txt", "w") as err:
-                    procs.append(subprocess.Popen(command, env={**environ, "MLX_RANK": str(rank)}, stdout=out,
-                                                  stderr=err, cwd=ROOT, start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            command,
+                            env={**environ, "MLX_RANK": str(rank)},
+                            stdout=out,
+                            stderr=err,
+                            cwd=ROOT,
+                            start_new_session=True,
+                        )
+                    )
         return procs
 
     return start_ring(start, folder, timeout, ready)
@@ -92,15 +128,23 @@ def launch(commands: list[list[str]], folder: Path, timeout: float = LAUNCH_TIME
     outlives `timeout`."""
     procs = start_ranks(commands, folder, ranks, timeout=timeout)
     started = [rank for rank in range(len(commands)) if ranks is None or rank in ranks]
-    return [{"rank": rank, "returncode": proc.returncode, "stdout": (folder / f"out{rank}.txt").read_text(),
-             "stderr": (folder / f"err{rank}.txt").read_text()} for rank, proc in zip(started, procs)]
+    return [
+        {
+            "rank": rank,
+            "returncode": proc.returncode,
+            "stdout": (folder / f"out{rank}.txt").read_text(),
+            "stderr": (folder / f"err{rank}.txt").read_text(),
+        }
+        for rank, proc in zip(started, procs)
+    ]
 
 
 def write_index(folder: Path) -> Path:
     """The weight index `sharded_load` reads for pipelines, for a folder's one model.safetensors."""
     weights = mx.load(str(folder / "model.safetensors"))
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}))
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")})
+    )
     return folder
 
 
@@ -168,10 +212,21 @@ def run_matrix(root: Path) -> None:
         (root / "references").mkdir(exist_ok=True)
         np.save(root / "references" / f"{case}-context.npy", reference["context"])
         (root / "references" / f"{case}.json").write_text(
-            json.dumps({k: v for k, v in reference.items() if k != "context"}))
+            json.dumps({k: v for k, v in reference.items() if k != "context"})
+        )
         runs = [GREEDY, SAMPLED] + (EXTRA if case == "qwen2-pipeline-v1" else [])
-        jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=PROMPT, runs=runs,
-                         cached=CACHED, script=reference["mlx_lm"]))
+        jobs.append(
+            dict(
+                name=case,
+                target=str(target),
+                drafter=str(drafter),
+                mode=mode,
+                prompt=PROMPT,
+                runs=runs,
+                cached=CACHED,
+                script=reference["mlx_lm"],
+            )
+        )
     (root / "jobs.json").write_text(json.dumps(jobs))
     (root / "out").mkdir()
     command = [sys.executable, str(WORKER), str(root / "jobs.json"), str(root / "out")]
@@ -203,8 +258,10 @@ def sharded(tmp_path_factory):
             "runs": json.loads((out / f"{case}.json").read_text())["runs"],
             "context": np.load(out / f"{case}-context.npy"),
         }
-        references[case] = {**json.loads((refs / f"{case}.json").read_text()),
-                             "context": np.load(refs / f"{case}-context.npy")}
+        references[case] = {
+            **json.loads((refs / f"{case}.json").read_text()),
+            "context": np.load(refs / f"{case}-context.npy"),
+        }
     return found, references
 
 
@@ -330,8 +387,10 @@ def test_a_taken_port_is_tried_again_on_others(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_lone_process_is_refused(tmp_path):
-    code = ("import os; [os.environ.pop(k, None) for k in ('MLX_RANK', 'MLX_HOSTFILE')]\n"
-            "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=30)")
+    code = (
+        "import os; [os.environ.pop(k, None) for k in ('MLX_RANK', 'MLX_HOSTFILE')]\n"
+        "from dflash2_mlx.distributed import init_group; init_group('ring', timeout=30)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode != 0 and "Start every process with mlx.launch" in run.stderr
     with pytest.raises(ValueError, match="at least two processes"):
@@ -343,10 +402,26 @@ def test_ranks_with_different_drafters_are_refused(tmp_path):
     """Each rank given another drafter: both stop at the start with the same clear error, no hang."""
     target = save_target(tmp_path / "target", "qwen3")
     model, _ = load_model(target)
-    drafters = [save_drafter(tmp_path / f"d{seed}", make_drafter(model, seed=seed, block_size=8, mask_token_id=5))
-                for seed in (1, 2)]
-    commands = [[*CLI, "generate", "--model", str(target), "--draft-model",
-                 str(d), "--tensor-parallel", "--backend", "ring", "--connect-timeout", "60"] for d in drafters]
+    drafters = [
+        save_drafter(tmp_path / f"d{seed}", make_drafter(model, seed=seed, block_size=8, mask_token_id=5))
+        for seed in (1, 2)
+    ]
+    commands = [
+        [
+            *CLI,
+            "generate",
+            "--model",
+            str(target),
+            "--draft-model",
+            str(d),
+            "--tensor-parallel",
+            "--backend",
+            "ring",
+            "--connect-timeout",
+            "60",
+        ]
+        for d in drafters
+    ]
     results = launch(commands, tmp_path / "launch", timeout=120)
     for r in results:
         assert r["returncode"] == 2, r
@@ -361,14 +436,30 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     target = write_index(save_target(model_dir / "qwen2", "qwen2"))
     model, _ = load_model(target)
     drafter = save_drafter(model_dir / "drafter", make_drafter(model, block_size=8, mask_token_id=5))
-    jobs = [dict(name="long", target=str(target), drafter=str(drafter), mode="pipeline", prompt=PROMPT, peer_timeout=5,
-                 runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])])]
+    jobs = [
+        dict(
+            name="long",
+            target=str(target),
+            drafter=str(drafter),
+            mode="pipeline",
+            prompt=PROMPT,
+            peer_timeout=5,
+            runs=[dict(max_tokens=100000, verify_mode="dflash", block_size=4, eos_token_ids=[])],
+        )
+    ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     (tmp_path / "out").mkdir()
-    folder, command = tmp_path / "launch", [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
+    folder, command = (
+        tmp_path / "launch",
+        [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")],
+    )
     # ready once rank 0 has drafted a block: both ranks are inside the generation
-    procs = start_ranks([command, command], folder, timeout=120,
-                        ready=lambda procs: running(procs, folder) and (tmp_path / "out" / "long-drafting").exists())
+    procs = start_ranks(
+        [command, command],
+        folder,
+        timeout=120,
+        ready=lambda procs: running(procs, folder) and (tmp_path / "out" / "long-drafting").exists(),
+    )
     try:
         assert procs[0].poll() is None, "rank 0 ended before rank 1 was killed"
         procs[1].kill()
@@ -382,8 +473,9 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
     # the ring's own error where its collective fails; where MLX's all_gather never returns (it does not when a
     # peer dies), rank 0's watchdog after its 5 s peer timeout
     last = err.splitlines()[-1]
-    assert "connection to a peer was lost" in last or "got no answer from the other processes for 5 s" in last, \
-        err[-2000:]
+    assert "connection to a peer was lost" in last or "got no answer from the other processes for 5 s" in last, err[
+        -2000:
+    ]
 
 
 def test_architectures_that_cannot_be_sharded_are_refused():
@@ -398,11 +490,16 @@ def test_architectures_that_cannot_be_sharded_are_refused():
 
     scaled = make_target("qwen3")
     scaled.model.__class__ = ScaledQwen3Model
-    with pytest.raises(ValueError, match=r"cannot shard qwen3 models pipeline-parallel .*not qwen3's or llama's.*"
-                                         r"use --tensor-parallel"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot shard qwen3 models pipeline-parallel .*not qwen3's or llama's.*"
+        r"use --tensor-parallel",
+    ):
         check_shardable(scaled, "pipeline")
     gemma, _ = model_from_config(dict(target_config("qwen3"), model_type="gemma"))
-    with pytest.raises(ValueError, match="cannot shard gemma models pipeline-parallel .*cannot shard this architecture"):
+    with pytest.raises(
+        ValueError, match="cannot shard gemma models pipeline-parallel .*cannot shard this architecture"
+    ):
         check_shardable(gemma, "pipeline")
     with pytest.raises(ValueError, match="has a forward this version cannot pipeline"):
         patches.pipeline_stage(scaled)
@@ -420,19 +517,48 @@ def test_cli_under_mlx_launch_prints_once_and_matches_one_process(tmp_path):
     target = write_index(save_target(tmp_path / "target", "qwen3"))
     model, _ = load_model(target)
     drafter = save_drafter(tmp_path / "drafter", make_dflash2_drafter(model, block_size=8, mask_token_id=5))
-    flags = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "w1 w2 w3",
-             "--max-tokens", "12", "--verify-mode", "dflash", "--json", "--kernels", "mlx"]
+    flags = [
+        "generate",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--prompt",
+        "w1 w2 w3",
+        "--max-tokens",
+        "12",
+        "--verify-mode",
+        "dflash",
+        "--json",
+        "--kernels",
+        "mlx",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     alone = subprocess.run([*CLI, *flags], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert alone.returncode == 0, alone.stderr
     alone = json.loads(alone.stdout)
     # mlx installs it beside the interpreter running the tests (a venv's bin, which need not be on the PATH)
-    launcher = shutil.which("mlx.launch", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                                 os.environ.get("PATH", "")]))
+    launcher = shutil.which(
+        "mlx.launch", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     assert launcher, "mlx.launch (installed with mlx) is not on the PATH"
+
     def start(ports, folder):  # mlx.launch gives the ranks ports[0] and ports[0] + 1
-        command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(ports[0]), "--",
-                   *CLI, *flags, "--pipeline", "--backend", "ring"]
+        command = [
+            launcher,
+            "-n",
+            "2",
+            "--backend",
+            "ring",
+            "--starting-port",
+            str(ports[0]),
+            "--",
+            *CLI,
+            *flags,
+            "--pipeline",
+            "--backend",
+            "ring",
+        ]
         with open(folder / "out.txt", "w") as out, open(folder / "err.txt", "w") as err:
             return [subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)]
 
@@ -487,7 +613,9 @@ def test_a_patched_pipeline_runs_the_unpatched_layers(arch, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
 
     wire, sent = [], []
-    monkeypatch.setattr(mx.distributed, "send", lambda h, dst, group=None: (wire.append(h), sent.append((h, dst)))[0] or h)
+    monkeypatch.setattr(
+        mx.distributed, "send", lambda h, dst, group=None: (wire.append(h), sent.append((h, dst)))[0] or h
+    )
     monkeypatch.setattr(mx.distributed, "recv_like", lambda h, src, group=None: wire.pop(0))
     monkeypatch.setattr(mx.distributed, "all_gather", lambda h, group=None: mx.concatenate([h, mx.zeros_like(h)]))
     reference = make_target(arch)
@@ -524,13 +652,17 @@ def running(procs: list[subprocess.Popen], folder: Path) -> bool:
     """True while every process runs; fails the test, with their stderr (folder/err*.txt), once one has ended."""
     if all(p.poll() is None for p in procs):
         return True
-    pytest.fail(f"a rank ended early (exit codes {[p.poll() for p in procs]}): "
-                f"{[(f.name, f.read_text()[-3000:]) for f in sorted(folder.glob('err*.txt'))]}")
+    pytest.fail(
+        f"a rank ended early (exit codes {[p.poll() for p in procs]}): "
+        f"{[(f.name, f.read_text()[-3000:]) for f in sorted(folder.glob('err*.txt'))]}"
+    )
 
 
 def serving_line(err: Path) -> str | None:
     """Rank 0's line that says where it serves (`[dflash2] serving ... on http://HOST:PORT`), once it has one."""
-    lines = [line for line in err.read_text().splitlines() if line.startswith("[dflash2] serving ") and " on http://" in line]
+    lines = [
+        line for line in err.read_text().splitlines() if line.startswith("[dflash2] serving ") and " on http://" in line
+    ]
     return lines[0] if lines else None
 
 
@@ -557,12 +689,32 @@ def test_serve_under_two_processes_matches_one_process(tmp_path):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return mlx_lm_generate(model, tokenizer, ids, max_tokens=SERVE_TOKENS)
 
-    command = [*CLI, "serve", "--model", str(target), "--draft-model", str(drafter), "--tensor-parallel", "--backend",
-               "ring", "--port", "0", "--kernels", "mlx", "--max-tokens", str(SERVE_TOKENS), "--connect-timeout",
-               "60"]
+    command = [
+        *CLI,
+        "serve",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--tensor-parallel",
+        "--backend",
+        "ring",
+        "--port",
+        "0",
+        "--kernels",
+        "mlx",
+        "--max-tokens",
+        str(SERVE_TOKENS),
+        "--connect-timeout",
+        "60",
+    ]
     folder = tmp_path / "launch"
-    procs = start_ranks([command, command], folder, env={"DFLASH2_COSTS": str(tmp_path / "costs.json")},  # measured anew
-                        ready=lambda procs: running(procs, folder) and serving_line(folder / "err0.txt") is not None)
+    procs = start_ranks(
+        [command, command],
+        folder,
+        env={"DFLASH2_COSTS": str(tmp_path / "costs.json")},  # measured anew
+        ready=lambda procs: running(procs, folder) and serving_line(folder / "err0.txt") is not None,
+    )
     try:
         port = int(serving_line(folder / "err0.txt").rsplit(":", 1)[1])  # --port 0: the port the OS gave it
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
@@ -573,8 +725,13 @@ def test_serve_under_two_processes_matches_one_process(tmp_path):
                 r = client.chat.completions.create(model="default_model", messages=messages, temperature=0)
                 return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
             text, cached = "", None
-            for chunk in client.chat.completions.create(model="default_model", messages=messages, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True}):
+            for chunk in client.chat.completions.create(
+                model="default_model",
+                messages=messages,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
                 if chunk.choices and chunk.choices[0].delta.content:
                     text += chunk.choices[0].delta.content
                 if chunk.usage is not None:

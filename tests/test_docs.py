@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "CONTRIBUTING.md", "runs/README.md", *sorted(p.relative_to(ROOT).as_posix()
-                                                                   for p in (ROOT / "docs").glob("*.md"))]
+PAGES = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "runs/README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+]
 COMMANDS = [
     'bash apps/install.sh && .venv/bin/dflash2 generate --prompt "Write a haiku about the sea."',
     "bash apps/install.sh && .venv/bin/python -m pytest -q",
@@ -54,23 +58,29 @@ def missing_paths(page: str, text: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("line, missing", [
-    ("the vocabularies live in `dflash2_mlx/vocab.py`", "dflash2_mlx/vocab.py"),
-    ("GGUF targets load through `checkpoints/gguf.py`", "checkpoints/gguf.py"),
-    ("see [the report](runs/smollm2/bench-adaptive-6.md)", "runs/smollm2/bench-adaptive-6.md"),
-    ("kernels in `metal/*.cuda`", "metal/*.cuda"),
-    ("the `nowhere.md` page", "nowhere.md"),
-])
+@pytest.mark.parametrize(
+    "line, missing",
+    [
+        ("the vocabularies live in `dflash2_mlx/vocab.py`", "dflash2_mlx/vocab.py"),
+        ("GGUF targets load through `checkpoints/gguf.py`", "checkpoints/gguf.py"),
+        ("see [the report](runs/smollm2/bench-adaptive-6.md)", "runs/smollm2/bench-adaptive-6.md"),
+        ("kernels in `metal/*.cuda`", "metal/*.cuda"),
+        ("the `nowhere.md` page", "nowhere.md"),
+    ],
+)
 def test_a_missing_path_is_named(line, missing):
     assert missing_paths("README.md", line) == [f"README.md: `{missing}` does not exist"]
 
 
-@pytest.mark.parametrize("line", [
-    "the loop is `dflash2_mlx/decode.py`, the kernels `metal/*.metal`, the results [here](runs/README.md#results)",
-    "costs in `~/.cache/dflash2/costs.json`, the route `/v1/chat/completions`, the run's `OUT/curve.csv`",
-    "[mlx-lm](https://github.com/ml-explore/mlx-lm), a flag `--verify-mode`, a command `dflash2 bench --quick`",
-    "```bash\ndflash2 export --mlx-path path/to/drafter --hf-path drafter-vllm\n```",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "the loop is `dflash2_mlx/decode.py`, the kernels `metal/*.metal`, the results [here](runs/README.md#results)",
+        "costs in `~/.cache/dflash2/costs.json`, the route `/v1/chat/completions`, the run's `OUT/curve.csv`",
+        "[mlx-lm](https://github.com/ml-explore/mlx-lm), a flag `--verify-mode`, a command `dflash2 bench --quick`",
+        "```bash\ndflash2 export --mlx-path path/to/drafter --hf-path drafter-vllm\n```",
+    ],
+)
 def test_what_is_not_a_repo_path_is_left_alone(line):
     assert missing_paths("README.md", line) == []
 
@@ -78,7 +88,8 @@ def test_what_is_not_a_repo_path_is_left_alone(line):
 def test_a_page_resolves_paths_beside_it():
     assert missing_paths("runs/README.md", "[the bench](smollm2/bench.md)") == []
     assert missing_paths("README.md", "[the bench](smollm2/bench.md)") == [
-        "README.md: `smollm2/bench.md` does not exist"]
+        "README.md: `smollm2/bench.md` does not exist"
+    ]
 
 
 def test_every_path_the_pages_name_exists():
@@ -90,7 +101,9 @@ def test_every_path_the_pages_name_exists():
 def test_readme_is_short_and_starts_with_its_two_commands():
     text = (ROOT / "README.md").read_text()
     words = len(text.split())  # what `wc -w` counts: runs of non-whitespace
-    assert words <= README_MAX_WORDS, f"README.md has {words} words; keep it to {README_MAX_WORDS} (move detail to docs/)"
+    assert words <= README_MAX_WORDS, (
+        f"README.md has {words} words; keep it to {README_MAX_WORDS} (move detail to docs/)"
+    )
     top = text.splitlines()[:15]
     for command in COMMANDS:
         assert command in top, f"README.md must keep this line, verbatim, in its first 15 lines: {command}"
@@ -106,10 +119,12 @@ INPUTS = ("traces.json", "/curves/", "/data")
 
 
 def test_every_report_records_its_commit():
-    reports = [p for p in sorted((ROOT / "runs").rglob("*.json"))
-               if not any(part in p.as_posix() for part in INPUTS)]
+    reports = [p for p in sorted((ROOT / "runs").rglob("*.json")) if not any(part in p.as_posix() for part in INPUTS)]
     assert len(reports) >= 5, reports  # the runs folder was read
-    lacking = [str(p.relative_to(ROOT)) for p in reports
-               if not isinstance(json.loads(p.read_text()).get("context"), dict)
-               or not json.loads(p.read_text())["context"].get("commit")]
+    lacking = [
+        str(p.relative_to(ROOT))
+        for p in reports
+        if not isinstance(json.loads(p.read_text()).get("context"), dict)
+        or not json.loads(p.read_text())["context"].get("commit")
+    ]
     assert not lacking, f"reports without context.commit: {lacking}"

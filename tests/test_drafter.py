@@ -118,8 +118,9 @@ def test_decoding_reads_the_current_weights(target):
     before = np.array(drafter.hidden(block, ctx, drafter.make_cache()))
     layer = drafter.layers[-1]
     layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 3.0
-    layer.mlp_conv.kernel_projection.weight = mx.random.normal(layer.mlp_conv.kernel_projection.weight.shape,
-                                                               key=mx.random.key(5)) * 0.1
+    layer.mlp_conv.kernel_projection.weight = (
+        mx.random.normal(layer.mlp_conv.kernel_projection.weight.shape, key=mx.random.key(5)) * 0.1
+    )
     after = np.array(drafter.hidden(block, ctx, drafter.make_cache()))
     training = np.array(drafter.hidden(block, ctx, None, TrainingBlocks(mx.array([[6]]))))
     assert not np.allclose(after, before, atol=1e-3)
@@ -163,8 +164,11 @@ def test_muse_layout_loads(target, tmp_path):
     drafter = make_drafter(target, block_size=8, sliding_window=32)
     cfg = drafter.config.to_hf_dict()
     dflash = cfg.pop("dflash_config")
-    cfg.update(architectures=["MuseGlimmerAssistantModel"], target_layer_ids=dflash["target_layer_ids"],
-               mask_token_id=dflash["mask_token_id"])
+    cfg.update(
+        architectures=["MuseGlimmerAssistantModel"],
+        target_layer_ids=dflash["target_layer_ids"],
+        mask_token_id=dflash["mask_token_id"],
+    )
     folder = tmp_path / "muse"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -173,7 +177,7 @@ def test_muse_layout_loads(target, tmp_path):
     for k, v in tree_flatten(drafter.parameters()):
         for old, new in renames.items():
             if k.startswith(old):
-                k = new + k[len(old):]
+                k = new + k[len(old) :]
         weights[k] = v
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     loaded = load_drafter(str(folder))
@@ -182,8 +186,11 @@ def test_muse_layout_loads(target, tmp_path):
     ctx = features(4)
     np.testing.assert_allclose(
         np.array(loaded(block(3, 8), ctx, loaded.make_cache())),
-        np.array(make_drafter(target, block_size=8, sliding_window=32, is_causal=False)(
-            block(3, 8), ctx, drafter.make_cache())),
+        np.array(
+            make_drafter(target, block_size=8, sliding_window=32, is_causal=False)(
+                block(3, 8), ctx, drafter.make_cache()
+            )
+        ),
         atol=1e-5,
     )
 
@@ -256,8 +263,9 @@ def test_each_architecture_is_its_own_class():
     assert all(isinstance(layer, DFlash2DecoderLayer) for layer in v2.layers)
     names = lambda m: {k.split(".")[-2] for k, _ in tree_flatten(m.parameters()) if "." in k}  # noqa: E731
     assert not names(v1) & {"attention_conv", "mlp_conv", "candidate_selector"}
-    assert {"kernel_projection"} <= names(v2) and any(k.startswith("candidate_selector.")
-                                                       for k, _ in tree_flatten(v2.parameters()))
+    assert {"kernel_projection"} <= names(v2) and any(
+        k.startswith("candidate_selector.") for k, _ in tree_flatten(v2.parameters())
+    )
     with pytest.raises(ValueError, match="needs a DFlash 2 drafter"):
         v1.check_walk("viterbi")
     v2.check_walk("viterbi")

@@ -68,8 +68,9 @@ def test_per_token_responses_equal_mlx_lms_and_mark_the_accepted_drafts(tokenize
     oracle = CountingOracle(drafter_config(model, block_size=8), model, prompt, spoil_seed=seed)
     bind_drafter(oracle, model)
     no_eos = without_eos(tokenizer)
-    ours = list(lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash",
-                                   block_size=6))
+    ours = list(
+        lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash", block_size=6)
+    )
     theirs = mlx_lm_responses(model, no_eos, prompt)
     assert [r.token for r in ours] == [r.token for r in theirs]
     assert [r.text for r in ours] == [r.text for r in theirs]
@@ -96,8 +97,11 @@ def test_logprobs_are_the_processed_rows_in_every_mode(tokenizer, mode, monkeypa
     bind_drafter(oracle, model)
     no_eos = without_eos(tokenizer)
     extra = {"tree_budget": 16} if mode == "ddtree" else {}  # siblings too: paths leave the first-born branch
-    ours = list(lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode=mode,
-                                   logits_processors=procs, **extra))
+    ours = list(
+        lm.stream_generate(
+            model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode=mode, logits_processors=procs, **extra
+        )
+    )
     theirs = mlx_lm_responses(model, no_eos, prompt, logits_processors=procs)
     assert [r.token for r in ours] == [r.token for r in theirs]
     np.testing.assert_allclose(logprob_rows(ours), logprob_rows(theirs), atol=1e-4, rtol=0)
@@ -115,8 +119,9 @@ def test_per_token_responses_on_llama_and_the_hybrid(tokenizer, arch):
     oracle = CountingOracle(drafter_config(model, block_size=8), model, prompt, spoil_seed=7)
     bind_drafter(oracle, model)
     no_eos = without_eos(tokenizer)
-    ours = list(lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash",
-                                   block_size=5))
+    ours = list(
+        lm.stream_generate(model, no_eos, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash", block_size=5)
+    )
     theirs = mlx_lm_responses(model, no_eos, prompt)
     assert [r.token for r in ours] == [r.token for r in theirs]
     np.testing.assert_allclose(logprob_rows(ours), logprob_rows(theirs), atol=1e-4, rtol=0)
@@ -140,7 +145,7 @@ def test_eos_ends_as_mlx_lms_does(tokenizer):
     assert ours[-1].finish_reason == "stop" and len(ours) <= 13
 
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 from mlx_lm import load, generate, stream_generate
 from mlx_lm.sample_utils import make_sampler, make_logits_processors
@@ -152,12 +157,14 @@ prompt = tokenizer.apply_chat_template([{"role": "user", "content": "w1 w2 w3 w4
 print(generate(model, tokenizer, prompt, max_tokens=24, sampler=sampler, logits_processors=processors))
 for response in stream_generate(model, tokenizer, "w5 w6 w7", max_tokens=12, sampler=sampler):
     print(repr(response.text), response.token, response.generation_tokens, response.finish_reason)
-'''
-MLX_LM_IMPORTS = ("from mlx_lm import load, generate, stream_generate\n"
-                  "from mlx_lm.sample_utils import make_sampler, make_logits_processors\n")
+"""
+MLX_LM_IMPORTS = (
+    "from mlx_lm import load, generate, stream_generate\n"
+    "from mlx_lm.sample_utils import make_sampler, make_logits_processors\n"
+)
 OUR_IMPORT = "from dflash2_mlx.lm import load, generate, stream_generate, make_sampler, make_logits_processors\n"
 
-FOREIGN_SCRIPT = '''
+FOREIGN_SCRIPT = """
 import sys
 import mlx.core as mx
 from mlx_lm import load, generate
@@ -167,7 +174,7 @@ model, tokenizer = load(sys.argv[1])
 mx.random.seed(7)
 print(generate(model, tokenizer, "w1 w2 w3", max_tokens=20, sampler=make_sampler(temp=0.9, top_k=30)))
 print(generate(model, tokenizer, "w1 w2 w3", max_tokens=20, sampler=lambda logprobs: mx.argsort(logprobs, axis=-1)[:, -2]))
-'''
+"""
 
 
 def run_script(source: str, folder, tmp_path, capsys) -> str:
@@ -197,8 +204,9 @@ def speculating(monkeypatch):
     return steps
 
 
-def test_an_mlx_lm_script_prints_the_same_text_with_the_import_switched(tiny_pair, tmp_path, capsys, monkeypatch,
-                                                                        speculating):
+def test_an_mlx_lm_script_prints_the_same_text_with_the_import_switched(
+    tiny_pair, tmp_path, capsys, monkeypatch, speculating
+):
     """A script written for mlx-lm (load, make_sampler, make_logits_processors, generate, stream_generate), run with
     mlx-lm, then with its imports switched to dflash2_mlx.lm and the drafter named by $DFLASH2_DRAFT_MODEL: the same
     output, from the speculative loop."""
@@ -233,9 +241,17 @@ def test_a_foreign_sampler_warns_and_still_matches_mlx_lm(tiny_pair, tmp_path, c
     assert not speculating
 
 
-@pytest.mark.parametrize("args", [dict(temp=0.7), dict(temp=1.0, top_p=0.9), dict(temp=0.9, top_p=0.0, top_k=0),
-                                  dict(temp=0.8, min_p=0.5, min_tokens_to_keep=4), dict(temp=1.2, top_k=5),
-                                  dict(temp=0.0, top_p=0.5)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        dict(temp=0.7),
+        dict(temp=1.0, top_p=0.9),
+        dict(temp=0.9, top_p=0.0, top_k=0),
+        dict(temp=0.8, min_p=0.5, min_tokens_to_keep=4),
+        dict(temp=1.2, top_k=5),
+        dict(temp=0.0, top_p=0.5),
+    ],
+)
 def test_make_sampler_is_mlx_lms_and_its_parameters_say_what_it_draws(args):
     """Calling it is calling mlx-lm's make_sampler(**args); and the parameters it carries draw the very same tokens
     for the same random state (rows where every filter bites), so speculation tests drafts against its law."""
@@ -278,14 +294,23 @@ def test_num_draft_tokens_and_the_progress_callback(tiny_pair):
     progress callback hears the prefill's start and end."""
     model, tokenizer = lm.load(str(tiny_pair[0]), draft_model=str(tiny_pair[1]))
     calls = []
-    responses = list(lm.stream_generate(model, tokenizer, [10, 11, 12], max_tokens=20, num_draft_tokens=3,
-                                        prompt_progress_callback=lambda done, total: calls.append((done, total))))
+    responses = list(
+        lm.stream_generate(
+            model,
+            tokenizer,
+            [10, 11, 12],
+            max_tokens=20,
+            num_draft_tokens=3,
+            prompt_progress_callback=lambda done, total: calls.append((done, total)),
+        )
+    )
     starts = {}  # cycle -> (tokens before it, mode, block size)
     for r in responses[1:]:
         starts.setdefault(r.cycle, (r.generation_tokens - 1, r.verify_mode, r.block_size))
     # 3 drafts per cycle, fewer only where fewer tokens are left (mlx-lm: min(max_tokens - produced, n))
-    assert [(mode, B) for _, mode, B in starts.values()] == [("dflash", min(4, 20 - before + 1))
-                                                            for before, *_ in starts.values()]
+    assert [(mode, B) for _, mode, B in starts.values()] == [
+        ("dflash", min(4, 20 - before + 1)) for before, *_ in starts.values()
+    ]
     assert len(starts) > 3 and sum(B == 4 for *_, B in starts.values()) > 2
     assert calls == [(0, 3), (3, 3)]
 
@@ -313,10 +338,19 @@ def test_make_prompt_cache_continues_the_conversation_as_mlx_lms(tiny_pair):
     model, tokenizer = lm.load(str(tiny_pair[0]), draft_model=str(tiny_pair[1]))
     turns = [[10, 11, 12, 13], [14, 15], [16]]
     theirs_cache, ours_cache = mlx_lm_cache(model), lm.make_prompt_cache(model)
-    theirs = [[r.token for r in mlx_lm_stream_generate(model, tokenizer, t, max_tokens=6, prompt_cache=theirs_cache)]
-              for t in turns]
-    ours = [[r.token for r in lm.stream_generate(model, tokenizer, t, max_tokens=6, prompt_cache=ours_cache,
-                                                 verify_mode="dflash")] for t in turns]
+    theirs = [
+        [r.token for r in mlx_lm_stream_generate(model, tokenizer, t, max_tokens=6, prompt_cache=theirs_cache)]
+        for t in turns
+    ]
+    ours = [
+        [
+            r.token
+            for r in lm.stream_generate(
+                model, tokenizer, t, max_tokens=6, prompt_cache=ours_cache, verify_mode="dflash"
+            )
+        ]
+        for t in turns
+    ]
     assert ours == theirs
     assert ours_cache.reused > 0
 
@@ -342,32 +376,46 @@ def reference(app, prompt, max_tokens=12) -> list[tuple[str, float, list[tuple[s
             break
         row = np.array(r.logprobs.astype(mx.float32))
         best = np.argsort(-row)[:3]
-        out.append((app.tokenizer.decode([r.token]), float(row[r.token]),
-                    [(app.tokenizer.decode([int(i)]), float(row[i])) for i in best]))
+        out.append(
+            (
+                app.tokenizer.decode([r.token]),
+                float(row[r.token]),
+                [(app.tokenizer.decode([int(i)]), float(row[i])) for i in best],
+            )
+        )
     return out
 
 
 def close(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(x[0] == y[0] and abs(x[1] - y[1]) < 1e-4 and [t for t, _ in x[2]] ==
-                                    [t for t, _ in y[2]] and np.allclose([v for _, v in x[2]], [v for _, v in y[2]],
-                                                                        atol=1e-4) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x[0] == y[0]
+        and abs(x[1] - y[1]) < 1e-4
+        and [t for t, _ in x[2]] == [t for t, _ in y[2]]
+        and np.allclose([v for _, v in x[2]], [v for _, v in y[2]], atol=1e-4)
+        for x, y in zip(a, b)
+    )
 
 
 def test_server_chat_logprobs_in_openais_shape(logprob_server):
     app, port = logprob_server
     messages = user("w1 w2 w3 w4")
     expected = reference(app, app.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    answer = client(port).chat.completions.create(model=app.model_id, messages=messages, max_tokens=12,
-                                                  logprobs=True, top_logprobs=3)
+    answer = client(port).chat.completions.create(
+        model=app.model_id, messages=messages, max_tokens=12, logprobs=True, top_logprobs=3
+    )
     content = answer.choices[0].logprobs.content
     got = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content]
     assert close(got, expected) and len(got) >= 3
     assert all(c.bytes == list(c.token.encode()) for c in content)
-    chunks = client(port).chat.completions.create(model=app.model_id, messages=messages, max_tokens=12,
-                                                  logprobs=True, top_logprobs=3, stream=True)
-    streamed = [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
-                for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
-                for c in chunk.choices[0].logprobs.content]
+    chunks = client(port).chat.completions.create(
+        model=app.model_id, messages=messages, max_tokens=12, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [
+        (c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs])
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content
+    ]
     assert close(streamed, expected)
     plain = client(port).chat.completions.create(model=app.model_id, messages=messages, max_tokens=12)
     assert plain.choices[0].logprobs is None
@@ -381,15 +429,17 @@ def test_server_completion_logprobs_in_openais_shape(logprob_server):
     choice = answer.choices[0]
     lp = choice.logprobs
     # greedy: the chosen token is the best one, so each top_logprobs dict holds just the 3 best
-    got = [(t, v, sorted(top.items(), key=lambda p: -p[1])) for t, v, top in zip(lp.tokens, lp.token_logprobs,
-                                                                                 lp.top_logprobs)]
+    got = [
+        (t, v, sorted(top.items(), key=lambda p: -p[1]))
+        for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    ]
     assert close(got, expected) and len(lp.tokens) == len(expected) >= 3
-    assert all(t in top and abs(top[t] - v) < 1e-4 for t, v, top in zip(lp.tokens, lp.token_logprobs,
-                                                                       lp.top_logprobs))
+    assert all(t in top and abs(top[t] - v) < 1e-4 for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(choice.text[o:].lstrip().startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
-    chunks = list(client(port).completions.create(model=app.model_id, prompt=prompt, max_tokens=12, logprobs=3,
-                                                  stream=True))
+    chunks = list(
+        client(port).completions.create(model=app.model_id, prompt=prompt, max_tokens=12, logprobs=3, stream=True)
+    )
     parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [(t, v, o) for part in parts for t, v, o in zip(part.tokens, part.token_logprobs, part.text_offset)]
     assert len(parts) > 1 and streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
@@ -413,13 +463,25 @@ def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server
     tokens = [10, 11, eos]
 
     def cycles(model, tokenizer, prompt, drafter=None, **kwargs):
-        yield CycleResponse(text=app.tokenizer.decode(tokens[:2]), tokens=tokens, accepted=2,
-                            prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=3, generation_tps=1.0,
-                            peak_memory=0.0, finish_reason="stop", verify_mode="dflash", block_size=4, logprobs=rows)
+        yield CycleResponse(
+            text=app.tokenizer.decode(tokens[:2]),
+            tokens=tokens,
+            accepted=2,
+            prompt_tokens=len(prompt),
+            prompt_tps=1.0,
+            generation_tokens=3,
+            generation_tps=1.0,
+            peak_memory=0.0,
+            finish_reason="stop",
+            verify_mode="dflash",
+            block_size=4,
+            logprobs=rows,
+        )
 
     monkeypatch.setattr(scheduler, "stream_cycles", cycles)
-    answer = client(port).chat.completions.create(model=app.model_id, messages=user("w1"), max_tokens=12,
-                                                  logprobs=True, top_logprobs=2)
+    answer = client(port).chat.completions.create(
+        model=app.model_id, messages=user("w1"), max_tokens=12, logprobs=True, top_logprobs=2
+    )
     content = answer.choices[0].logprobs.content
     table = np.array(rows)
     assert [c.token for c in content] == [app.tokenizer.decode([t]) for t in tokens[:2]]
@@ -438,8 +500,9 @@ def test_the_default_pair_through_the_drop_in(smollm2_path, speculating):
     assert lm.drafter_for(model) is not None
     procs = make_logits_processors(repetition_penalty=1.2)
     prompt = tokenizer.apply_chat_template(user("Name three colors."), add_generation_prompt=True)
-    ours = list(lm.stream_generate(model, tokenizer, prompt, max_tokens=24, logits_processors=procs,
-                                   verify_mode="dflash"))
+    ours = list(
+        lm.stream_generate(model, tokenizer, prompt, max_tokens=24, logits_processors=procs, verify_mode="dflash")
+    )
     theirs = mlx_lm_responses(model, tokenizer, prompt, max_tokens=24, logits_processors=procs)
     assert [(r.token, r.text) for r in ours] == [(r.token, r.text) for r in theirs]
     np.testing.assert_allclose(logprob_rows(ours), logprob_rows(theirs), atol=1e-4, rtol=0)

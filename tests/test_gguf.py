@@ -28,9 +28,14 @@ TOKENS = ["<s>", "</s>"] + _bytes_to_unicode() + ["Ġt", "he", "Ġthe"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
 
 _GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -134,10 +139,12 @@ def test_quantized_gguf_files(tmp_path, quant, tol):
     write_gguf(tmp_path / "q.gguf", model, "qwen2", quant)
     qtype = getattr(gguf.GGMLQuantizationType, quant)
     reference = make_target("qwen2", vocab=len(TOKENS))
-    reference.load_weights([
-        (k, mx.array(dequantize(quantize(np.array(v), qtype), qtype)) if v.ndim == 2 else v)
-        for k, v in tree_flatten(model.parameters())
-    ])
+    reference.load_weights(
+        [
+            (k, mx.array(dequantize(quantize(np.array(v), qtype), qtype)) if v.ndim == 2 else v)
+            for k, v in tree_flatten(model.parameters())
+        ]
+    )
     prompt = mx.array([[5, 80, 200, 7, 150, 3]])
     want = np.array(reference(prompt))
     loaded, _ = load_gguf(tmp_path / "q.gguf", dtype="float32")
@@ -176,8 +183,10 @@ def test_k_quant_files_are_dequantized_by_llama_cpp_code(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "qwen2")
     want = {"blk.0.attn_norm.weight": rng.standard_normal(256).astype(np.float32)}
     writer.add_tensor("blk.0.attn_norm.weight", want["blk.0.attn_norm.weight"])
-    for name, qtype in [("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.Q4_K),
-                        ("blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q6_K)]:
+    for name, qtype in [
+        ("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.Q4_K),
+        ("blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q6_K),
+    ]:
         raw = _random_k_quant_rows(8, 512, qtype, rng)
         writer.add_tensor(name, raw, raw_dtype=qtype)
         want[name] = dequantize(raw, qtype).reshape(8, 512)

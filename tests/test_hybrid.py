@@ -8,7 +8,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    N, SETTINGS, V, chi_square, exact_distribution, make_dflash2_drafter, make_drafter, make_hybrid, make_oracle,
+    N,
+    SETTINGS,
+    V,
+    chi_square,
+    exact_distribution,
+    make_dflash2_drafter,
+    make_drafter,
+    make_hybrid,
+    make_oracle,
     sample_sequences,
 )
 from mlx_lm.models import qwen3_5, qwen3_next
@@ -37,10 +45,21 @@ def test_greedy_identical_to_plain(arch, tokenizer):
     for i, prompt in enumerate(prompts(2, seed=ARCHS.index(arch))):
         plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=25, eos_token_ids=[]).tokens
         for B in (2, 3, 5, 8, 16)[i::2]:
-            for drafter in (random_drafter, make_oracle(model, prompt, 16, spoil_seed=B + i),
-                            make_oracle(model, prompt, 16)):
-                r = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=B, max_tokens=25,
-                             eos_token_ids=[])
+            for drafter in (
+                random_drafter,
+                make_oracle(model, prompt, 16, spoil_seed=B + i),
+                make_oracle(model, prompt, 16),
+            ):
+                r = generate(
+                    model,
+                    tokenizer,
+                    prompt,
+                    drafter,
+                    verify_mode="dflash",
+                    block_size=B,
+                    max_tokens=25,
+                    eos_token_ids=[],
+                )
                 assert r.tokens == plain, f"{arch} prompt {i} B={B} {type(drafter).__name__}"
                 seen |= set(r.accepted)
     assert {0, 15} <= seen and len(seen) >= 8  # full rejection, full acceptance and many in between

@@ -21,8 +21,11 @@ from dflash2_mlx.short_conv import dynamic_conv_mlx
 
 # every (kernel, dtype) the check runs: the conv and acceptance in each float dtype, the selector in float32
 # (its inputs are float32 whatever the drafter's)
-CHECKED = [("dynamic_conv", d) for d in ("float32", "bfloat16", "float16")] + [("lattice_path", "float32")] + [
-    ("accept_greedy", d) for d in ("float32", "bfloat16", "float16")]
+CHECKED = (
+    [("dynamic_conv", d) for d in ("float32", "bfloat16", "float16")]
+    + [("lattice_path", "float32")]
+    + [("accept_greedy", d) for d in ("float32", "bfloat16", "float16")]
+)
 BUILD_ERROR = "[metal_kernel] Unable to build metal library from source\nprogram_source:12:5: error: use of undeclared"
 
 
@@ -103,11 +106,33 @@ def test_a_failing_kernel_is_switched_off_alone(broken, fault, tokenizer, monkey
     plain = generate(model, tokenizer, [3, 4, 5], None, verify_mode="off", max_tokens=12, eos_token_ids=[]).tokens
     for walk in ("greedy", "viterbi"):
         metal.launched.clear()
-        got = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=12,
-                       eos_token_ids=[], verify_mode="dflash").tokens
+        got = generate(
+            model,
+            tokenizer,
+            [3, 4, 5],
+            drafter,
+            walk=walk,
+            block_size=8,
+            max_tokens=12,
+            eos_token_ids=[],
+            verify_mode="dflash",
+        ).tokens
         assert set(metal.launched) == on
-        assert got == generate(model, tokenizer, [3, 4, 5], pure, walk=walk, block_size=8, max_tokens=12,
-                               eos_token_ids=[], verify_mode="dflash").tokens == plain
+        assert (
+            got
+            == generate(
+                model,
+                tokenizer,
+                [3, 4, 5],
+                pure,
+                walk=walk,
+                block_size=8,
+                max_tokens=12,
+                eos_token_ids=[],
+                verify_mode="dflash",
+            ).tokens
+            == plain
+        )
         assert drafts(drafter, walk) == drafts(pure, walk)
 
     # the fault bites: with every kernel on, unchecked ('metal'), decoding fails or drafts / decodes wrongly
@@ -115,11 +140,30 @@ def test_a_failing_kernel_is_switched_off_alone(broken, fault, tokenizer, monkey
     assert unchecked.metal_kernels == set(kernels.NAMES)
     if fault == "build":
         with pytest.raises(RuntimeError, match="Unable to build"):
-            generate(model, tokenizer, [3, 4, 5], unchecked, block_size=8, max_tokens=12, eos_token_ids=[],
-                     verify_mode="dflash")
+            generate(
+                model,
+                tokenizer,
+                [3, 4, 5],
+                unchecked,
+                block_size=8,
+                max_tokens=12,
+                eos_token_ids=[],
+                verify_mode="dflash",
+            )
     elif broken == "accept_greedy":
-        assert generate(model, tokenizer, [3, 4, 5], unchecked, block_size=8, max_tokens=12, eos_token_ids=[],
-                        verify_mode="dflash").tokens != plain
+        assert (
+            generate(
+                model,
+                tokenizer,
+                [3, 4, 5],
+                unchecked,
+                block_size=8,
+                max_tokens=12,
+                eos_token_ids=[],
+                verify_mode="dflash",
+            ).tokens
+            != plain
+        )
     else:
         assert drafts(unchecked, "greedy") != drafts(pure, "greedy")
 
@@ -193,15 +237,17 @@ def test_info_self_check_names_the_failing_kernel(monkeypatch, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["metal_available"] is True
     assert [(c["kernel"], c["dtype"], c["ok"]) for c in record["checks"]] == [
-        (k, d, k != "lattice_path") for k, d in CHECKED]
+        (k, d, k != "lattice_path") for k, d in CHECKED
+    ]
     failed = record["checks"][3]
     assert "did not build or run" in failed["reason"] and "use of undeclared" in failed["reason"]  # the compiler's
     assert record["runtime"]["kernels"] == "Metal (lattice_path: pure-MLX)"
     assert main(["info", "--self-check"]) == 0  # checked once: no second warning, the same records
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.startswith("  ")]
-    assert [(r[0], r[1], r[2]) for r in rows] == [(k, d, "FAILED" if k == "lattice_path" else "passed")
-                                                   for k, d in CHECKED]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (k, d, "FAILED" if k == "lattice_path" else "passed") for k, d in CHECKED
+    ]
     assert "--kernels auto runs: Metal (lattice_path: pure-MLX)" in lines
     assert any("--kernels mlx" in line for line in lines)
 
@@ -210,8 +256,10 @@ def test_info_self_check_names_the_failing_kernel(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(compiler() is None, reason="no C++20 compiler (g++ or clang++) to emulate the Metal kernels; "
-                    "apps/install.sh installs g++")
+@pytest.mark.skipif(
+    compiler() is None,
+    reason="no C++20 compiler (g++ or clang++) to emulate the Metal kernels; apps/install.sh installs g++",
+)
 def test_the_real_kernels_pass_and_a_broken_one_fails_in_the_emulator(monkeypatch):
     FakeMetal(monkeypatch)
     monkeypatch.setattr(kernels.Launch, "run", emulate)
@@ -220,8 +268,9 @@ def test_the_real_kernels_pass_and_a_broken_one_fails_in_the_emulator(monkeypatc
     body = kernels.source("dynamic_conv.metal")
     broken = body.replace("out[row * D + c] =", "if (c + 1 < D) out[row * D + c] =", 1)
     assert broken != body
-    monkeypatch.setattr(kernels.Launch, "run",
-                        lambda launch: emulate(launch, body=broken if launch.name == "dynamic_conv" else None))
+    monkeypatch.setattr(
+        kernels.Launch, "run", lambda launch: emulate(launch, body=broken if launch.name == "dynamic_conv" else None)
+    )
     with pytest.warns(kernel_check.KernelCheckWarning, match="dynamic_conv"):
         assert kernel_check.passed() == {"lattice_path", "accept_greedy"}
     assert all("non-finite" in r.reason for r in kernel_check.results() if r.kernel == "dynamic_conv")

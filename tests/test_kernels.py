@@ -23,8 +23,9 @@ emulated = pytest.mark.skipif(
     compiler() is None,
     reason="no C++20 compiler (g++ or clang++), so the Metal kernels cannot be emulated; apps/install.sh installs g++",
 )
-on_metal = pytest.mark.skipif(not mx.metal.is_available(),
-                              reason="needs Metal (a Mac); elsewhere the kernels are emulated")
+on_metal = pytest.mark.skipif(
+    not mx.metal.is_available(), reason="needs Metal (a Mac); elsewhere the kernels are emulated"
+)
 DTYPES = [mx.float32, mx.bfloat16, mx.float16]
 # the pure-MLX conv rounds every partial sum to its dtype, the kernel only the result
 CONV_TOLERANCE = {mx.float32: 1e-5, mx.bfloat16: 3e-2, mx.float16: 4e-3}
@@ -172,12 +173,23 @@ BROKEN = {  # a kernel, a line of it, what replaces it, and a launch with the pu
     "selector without its barrier": ("lattice_path", BARRIER, "", path_example),
     "acceptance without its first barrier": ("accept_greedy", BARRIER, "", accept_example),
     "conv leaving the last channel unwritten": (
-        "dynamic_conv", "out[row * D + c] =", "if (c + 1 < D) out[row * D + c] =", conv_example),
+        "dynamic_conv",
+        "out[row * D + c] =",
+        "if (c + 1 < D) out[row * D + c] =",
+        conv_example,
+    ),
     "selector leaving a score unwritten": (
-        "lattice_path", "scores[row * k + b] = score;", "if (row + b > 0) scores[row * k + b] = score;", path_example),
+        "lattice_path",
+        "scores[row * k + b] = score;",
+        "if (row + b > 0) scores[row * k + b] = score;",
+        path_example,
+    ),
     "selector with a thread skipping the barrier": (
-        "lattice_path", "const uint simd = simdgroup_index_in_threadgroup;",
-        "const uint simd = simdgroup_index_in_threadgroup;\nif (lane == 31) return;", path_example),
+        "lattice_path",
+        "const uint simd = simdgroup_index_in_threadgroup;",
+        "const uint simd = simdgroup_index_in_threadgroup;\nif (lane == 31) return;",
+        path_example,
+    ),
 }
 
 
@@ -240,13 +252,24 @@ def test_a_drafters_kernels_setting_reaches_every_op_of_the_decode_loop(tokenize
         runs = {}
         for name, drafter in (("mlx", pure), ("metal", metal)):
             launched.clear()
-            runs[name] = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=10,
-                                  eos_token_ids=[], verify_mode="dflash")  # drafts every cycle, whatever it costs
+            runs[name] = generate(
+                model,
+                tokenizer,
+                [3, 4, 5],
+                drafter,
+                walk=walk,
+                block_size=8,
+                max_tokens=10,
+                eos_token_ids=[],
+                verify_mode="dflash",
+            )  # drafts every cycle, whatever it costs
             assert set(launched) == (set() if name == "mlx" else {"dynamic_conv", "lattice_path", "accept_greedy"})
         assert runs["metal"].tokens == runs["mlx"].tokens == plain
     # the drafts themselves: the same block and context through both drafters
     block = mx.array([[7] + [pure.config.mask_token_id] * 7])
-    context = mx.random.normal((1, 6, len(pure.config.target_layer_ids) * pure.config.hidden_size), key=mx.random.key(4))
+    context = mx.random.normal(
+        (1, 6, len(pure.config.target_layer_ids) * pure.config.hidden_size), key=mx.random.key(4)
+    )
     for walk in WALKS:
         got, want = (d.propose(block, context, d.make_cache(), SamplingParams(), walk) for d in (metal, pure))
         assert got.tokens.tolist() == want.tokens.tolist()
@@ -256,8 +279,18 @@ def test_cli_kernels_flag(tiny_pair, capsys):
     from dflash2_apps.cli import main
 
     target, drafter = tiny_pair
-    args = ["generate", "--model", str(target), "--draft-model", str(drafter), "--prompt", "w1", "--max-tokens", "4",
-            "--json"]
+    args = [
+        "generate",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--prompt",
+        "w1",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]
     assert main([*args, "--kernels", "mlx"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["runtime"]["kernels"] == "pure-MLX"
     if not mx.metal.is_available():
@@ -323,6 +356,7 @@ def test_metal_kernels_keep_decoding_lossless(walk, tokenizer):
     runs = {}
     for choice in ("mlx", "metal"):
         drafter.use_kernels(choice)
-        runs[choice] = generate(model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=24,
-                                eos_token_ids=[]).tokens
+        runs[choice] = generate(
+            model, tokenizer, [3, 4, 5], drafter, walk=walk, block_size=8, max_tokens=24, eos_token_ids=[]
+        ).tokens
     assert runs["metal"] == runs["mlx"]

@@ -35,13 +35,21 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
     """(imported module of this project, line, whether the import is inside a function or class)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-              for n in ast.walk(f) if n is not f}
+    nested = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for n in ast.walk(f)
+        if n is not f
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else node.module
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module
+            )
             candidates = [f"{base}.{a.name}" for a in node.names] + [base]
         elif isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
@@ -70,7 +78,7 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -94,21 +102,35 @@ def test_no_import_circle():
 
 
 def test_formats_import_nothing_above_them():
-    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m.startswith("dflash2_mlx.formats")
-             for t, line, _ in targets if not t.startswith("dflash2_mlx.formats")]
+    wrong = [
+        f"{m} imports {t} (line {line})"
+        for m, targets in graph().items()
+        if m.startswith("dflash2_mlx.formats")
+        for t, line, _ in targets
+        if not t.startswith("dflash2_mlx.formats")
+    ]
     assert not wrong
 
 
 def test_train_is_imported_only_by_itself_and_the_training_commands():
-    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items()
-             if not m.startswith("dflash2_mlx.train") and m not in TRAIN_USERS
-             for t, line, _ in targets if t.startswith("dflash2_mlx.train")]
+    wrong = [
+        f"{m} imports {t} (line {line})"
+        for m, targets in graph().items()
+        if not m.startswith("dflash2_mlx.train") and m not in TRAIN_USERS
+        for t, line, _ in targets
+        if t.startswith("dflash2_mlx.train")
+    ]
     assert not wrong
 
 
 def test_the_library_never_imports_the_commands():
-    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m.startswith("dflash2_mlx")
-             for t, line, _ in targets if t.startswith("dflash2_apps")]
+    wrong = [
+        f"{m} imports {t} (line {line})"
+        for m, targets in graph().items()
+        if m.startswith("dflash2_mlx")
+        for t, line, _ in targets
+        if t.startswith("dflash2_apps")
+    ]
     assert not wrong
 
 
@@ -116,14 +138,24 @@ def test_the_server_modules_import_only_the_layers_below():
     layer = {f"dflash2_mlx.server.{name}": i for i, name in enumerate(SERVER_LAYERS)}
     server = {m for m in graph() if m.startswith("dflash2_mlx.server.")}
     assert server == set(layer)  # a new module of the package gets its place in SERVER_LAYERS
-    wrong = [f"{m} imports {t} (line {line})" for m, targets in graph().items() if m in layer
-             for t, line, _ in targets if t in layer and layer[t] >= layer[m]]
+    wrong = [
+        f"{m} imports {t} (line {line})"
+        for m, targets in graph().items()
+        if m in layer
+        for t, line, _ in targets
+        if t in layer and layer[t] >= layer[m]
+    ]
     assert not wrong
 
 
 def test_no_function_local_import_of_the_package():
-    wrong = [f"{m} line {line}: {t}" for m, targets in graph().items() if m != "dflash2_apps.cli"
-             for t, line, local in targets if local]
+    wrong = [
+        f"{m} line {line}: {t}"
+        for m, targets in graph().items()
+        if m != "dflash2_apps.cli"
+        for t, line, local in targets
+        if local
+    ]
     assert not wrong
 
 
@@ -136,11 +168,15 @@ def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
         g["dflash2_mlx.formats.config"].append(("dflash2_mlx.loading", 1, False))
         assert cycle(package_edges(g)) is not None
     elif mutation == "formats":
-        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.formats.vocab": [("dflash2_mlx.target", 1, False)]})
+        monkeypatch.setitem(
+            globals(), "graph", lambda: {**g, "dflash2_mlx.formats.vocab": [("dflash2_mlx.target", 1, False)]}
+        )
         with pytest.raises(AssertionError):
             test_formats_import_nothing_above_them()
     elif mutation == "train":
-        monkeypatch.setitem(globals(), "graph", lambda: {**g, "dflash2_mlx.prompts": [("dflash2_mlx.train.data", 1, False)]})
+        monkeypatch.setitem(
+            globals(), "graph", lambda: {**g, "dflash2_mlx.prompts": [("dflash2_mlx.train.data", 1, False)]}
+        )
         with pytest.raises(AssertionError):
             test_train_is_imported_only_by_itself_and_the_training_commands()
     elif mutation == "library":
@@ -148,8 +184,9 @@ def test_the_layout_tests_catch_each_breach(mutation, monkeypatch):
         with pytest.raises(AssertionError):
             test_the_library_never_imports_the_commands()
     elif mutation == "server":
-        monkeypatch.setitem(globals(), "graph", lambda: {
-            **g, "dflash2_mlx.server.scheduler": [("dflash2_mlx.server.http", 1, False)]})
+        monkeypatch.setitem(
+            globals(), "graph", lambda: {**g, "dflash2_mlx.server.scheduler": [("dflash2_mlx.server.http", 1, False)]}
+        )
         with pytest.raises(AssertionError):
             test_the_server_modules_import_only_the_layers_below()
     else:
@@ -164,12 +201,17 @@ PATCHING = ("__class__ =", "types.FunctionType(", ".__globals__", '__dict__["rop
 def test_mlx_lm_is_patched_in_one_module():
     """Re-classing instances, rebuilding functions over other globals and shadowing model attributes happen in
     patches.py only (its docstring says what, why and for which mlx-lm)."""
-    wrong = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for name, path in modules().items()
-             if name != "dflash2_mlx.patches"
-             for n, line in enumerate(path.read_text().splitlines(), 1) if any(p in line for p in PATCHING)]
+    wrong = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for name, path in modules().items()
+        if name != "dflash2_mlx.patches"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(p in line for p in PATCHING)
+    ]
     assert not wrong
-    assert all(any(p in line for line in (ROOT / "dflash2_mlx" / "patches.py").read_text().splitlines())
-               for p in PATCHING[:3])  # the patterns match how patches.py does it
+    assert all(
+        any(p in line for line in (ROOT / "dflash2_mlx" / "patches.py").read_text().splitlines()) for p in PATCHING[:3]
+    )  # the patterns match how patches.py does it
 
 
 # -- the tests' own layout -------------------------------------------------------------------------------------
@@ -178,6 +220,7 @@ def test_mlx_lm_is_patched_in_one_module():
 def imports_of_test_modules(folder: Path) -> list[str]:
     """`file:line: import` for every import of a test module (`test_*`, also as `tests.test_*`, `from tests import
     test_x` or `from . import test_x`), at any depth, in the Python files of `folder`."""
+
     def is_test_module(name: str) -> bool:
         return name.startswith(("test_", "tests.test_"))
 
@@ -203,9 +246,16 @@ def test_no_test_module_imports_another():
     assert not wrong, f"import shared parts from tests/helpers.py instead (move them there): {wrong}"
 
 
-@pytest.mark.parametrize("line", ["from test_decode import prompts", "import tests.test_decode as d",
-                                  "from tests import test_decode", "from . import test_decode",
-                                  "def f():\n    from test_sampling import V"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from test_decode import prompts",
+        "import tests.test_decode as d",
+        "from tests import test_decode",
+        "from . import test_decode",
+        "def f():\n    from test_sampling import V",
+    ],
+)
 def test_a_test_module_importing_another_is_named(tmp_path, line):
     (tmp_path / "helpers.py").write_text("import os\nfrom pathlib import Path\n")
     (tmp_path / "test_a.py").write_text(f"import pytest\nfrom helpers import prompts\n{line}\n")
@@ -219,6 +269,9 @@ def test_the_version_lives_in_one_place():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dflash2_mlx.__version__"}
-    assigned = [n for n in ast.parse((ROOT / "dflash2_mlx" / "__init__.py").read_text()).body
-                if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in n.targets)]
+    assigned = [
+        n
+        for n in ast.parse((ROOT / "dflash2_mlx" / "__init__.py").read_text()).body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in n.targets)
+    ]
     assert len(assigned) == 1 and isinstance(assigned[0].value, ast.Constant)

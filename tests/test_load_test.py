@@ -14,8 +14,14 @@ from dflash2_apps import load_test as load
 
 
 def _result(tokens: int, latency: float, prompt: int, text: str) -> dict:
-    return {"text": text, "ttft": latency / 2, "latency": latency, "usage": {"completion_tokens": tokens},
-            "dflash": {}, "prompt_index": prompt}
+    return {
+        "text": text,
+        "ttft": latency / 2,
+        "latency": latency,
+        "usage": {"completion_tokens": tokens},
+        "dflash": {},
+        "prompt_index": prompt,
+    }
 
 
 def test_abba_alternates_which_server_goes_first():
@@ -25,17 +31,20 @@ def test_abba_alternates_which_server_goes_first():
 
 
 def test_merge_trials_takes_medians_of_rounds_and_pools_requests():
-    rounds = [([[_result(10, 1.0, 0, "x"), _result(10, 2.0, 1, "y")]], 4.0, 0.0),  # 20 tokens in 4 s: 5/s
-              ([[_result(30, 3.0, 0, "x"), _result(30, 4.0, 1, "y")]], 2.0, 9.0),  # 60 tokens in 2 s: 30/s
-              ([[_result(5, 5.0, 0, "x"), _result(5, 6.0, 1, "z")]], 1.0, 20.0)]  # 10 tokens in 1 s: 10/s
+    rounds = [
+        ([[_result(10, 1.0, 0, "x"), _result(10, 2.0, 1, "y")]], 4.0, 0.0),  # 20 tokens in 4 s: 5/s
+        ([[_result(30, 3.0, 0, "x"), _result(30, 4.0, 1, "y")]], 2.0, 9.0),  # 60 tokens in 2 s: 30/s
+        ([[_result(5, 5.0, 0, "x"), _result(5, 6.0, 1, "z")]], 1.0, 20.0),
+    ]  # 10 tokens in 1 s: 10/s
     row = load.merge_trials(rounds)
     assert row["tokens_per_s"] == statistics.median([5.0, 30.0, 10.0]) == 10.0
     assert row["requests_per_s"] == statistics.median([2 / 4, 2 / 2, 2 / 1])
     assert (row["requests"], row["completion_tokens"], row["wall_s"]) == (6, 90, 7.0)
     assert row["tokens_per_s_pooled"] == 90 / 7.0
     latencies = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # nearest rank over all six requests of the three rounds
-    assert (row["latency_p50_s"], row["latency_p99_s"]) == \
-        tuple(float(np.percentile(latencies, p, method="nearest")) for p in (50, 99))
+    assert (row["latency_p50_s"], row["latency_p99_s"]) == tuple(
+        float(np.percentile(latencies, p, method="nearest")) for p in (50, 99)
+    )
     assert [t["tokens_per_s"] for t in row["trials"]] == [5.0, 30.0, 10.0]
     assert [t["start_s"] for t in row["trials"]] == [0.0, 9.0, 20.0]
     assert [t["texts"] for t in row["trials"]][2] == {"0": "x", "1": "z"}
@@ -54,9 +63,31 @@ def test_ratios_and_agreement_pair_the_rounds():
 @pytest.mark.slow
 def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2, tmp_path):
     out = tmp_path / "load-vs-mlx-lm"
-    argv = ["--compare", "--model", str(tiny_pair[0]), "--draft-model", str(tiny_dflash2), "--levels", "1,2",
-            "--requests", "2", "--max-tokens", "6", "--verify-mode", "dflash", "--serve-arg=--block-size",
-            "--serve-arg=4", "--trials", "2", "--out", str(out), "--timeout", "60", "--start-timeout", "120"]
+    argv = [
+        "--compare",
+        "--model",
+        str(tiny_pair[0]),
+        "--draft-model",
+        str(tiny_dflash2),
+        "--levels",
+        "1,2",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "6",
+        "--verify-mode",
+        "dflash",
+        "--serve-arg=--block-size",
+        "--serve-arg=4",
+        "--trials",
+        "2",
+        "--out",
+        str(out),
+        "--timeout",
+        "60",
+        "--start-timeout",
+        "120",
+    ]
     assert load.main(argv) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert list(report["servers"]) == ["dflash2 serve", "mlx_lm.server"]
@@ -69,8 +100,7 @@ def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2
             assert 0 < row["latency_p50_s"] <= row["latency_p99_s"] <= max(t["wall_s"] for t in row["trials"])
     # interleaved, ABBA at each level: ours, theirs, theirs, ours, by their start times
     for level in ("1", "2"):
-        starts = sorted((t["start_s"], name) for name, rows in report["servers"].items()
-                        for t in rows[level]["trials"])
+        starts = sorted((t["start_s"], name) for name, rows in report["servers"].items() for t in rows[level]["trials"])
         assert [name for _, name in starts] == ["dflash2 serve", "mlx_lm.server", "mlx_lm.server", "dflash2 serve"]
     assert report["servers"]["dflash2 serve"]["1"]["verify_modes"] == ["dflash"]  # a lone client: speculative
     # T = 0 on one target: every answer the same text from both servers (1 x 2 and 2 x 2 answers, two rounds)

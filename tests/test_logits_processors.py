@@ -14,8 +14,25 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 from helpers import (
-    COSTS, N, N_BROKEN, PROMPT, SiblingOracle, V, chi_square, drafter_config, first_tokens, make_drafter, make_hybrid,
-    make_oracle, make_target, mlx_lm_probabilities, prompts, request, running, slow_except, user,
+    COSTS,
+    N,
+    N_BROKEN,
+    PROMPT,
+    SiblingOracle,
+    V,
+    chi_square,
+    drafter_config,
+    first_tokens,
+    make_drafter,
+    make_hybrid,
+    make_oracle,
+    make_target,
+    mlx_lm_probabilities,
+    prompts,
+    request,
+    running,
+    slow_except,
+    user,
 )
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
@@ -51,8 +68,10 @@ def no_eos(tokenizer):
 
 def mlx_lm_tokens(model, tokenizer, prompt, procs, max_tokens=MAX_TOKENS, **kw) -> list[int]:
     """mlx-lm's own plain generation (its `generate_step`) with these processors."""
-    return [r.token for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                                    logits_processors=procs, **kw)]
+    return [
+        r.token
+        for r in mlx_lm_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=procs, **kw)
+    ]
 
 
 @pytest.fixture
@@ -85,8 +104,11 @@ def script_drafter(model, prompt, script, block_size=8):
     return drafter
 
 
-TARGETS = {"qwen3": lambda: make_target("qwen3", seed=1), "llama": lambda: make_target("llama", seed=2),
-           "qwen3_5": lambda: make_hybrid("qwen3_5", seed=3)}
+TARGETS = {
+    "qwen3": lambda: make_target("qwen3", seed=1),
+    "llama": lambda: make_target("llama", seed=2),
+    "qwen3_5": lambda: make_hybrid("qwen3_5", seed=3),
+}
 
 
 @pytest.mark.parametrize("arch", slow_except(TARGETS, "llama"))
@@ -103,9 +125,11 @@ def test_greedy_output_is_mlx_lms_with_the_same_processors(arch, tokenizer, no_e
     assert generate(model, tokenizer, prompt, None, verify_mode="off", **kw).tokens == expected
     accepted = []
     for B in (3, 8):
-        for drafter in (make_oracle(model, prompt, 8, processors=procs),
-                        make_oracle(model, prompt, 8, spoil_seed=B, processors=procs),
-                        make_drafter(model, block_size=8, seed=B)):
+        for drafter in (
+            make_oracle(model, prompt, 8, processors=procs),
+            make_oracle(model, prompt, 8, spoil_seed=B, processors=procs),
+            make_drafter(model, block_size=8, seed=B),
+        ):
             r = generate(model, tokenizer, prompt, drafter, verify_mode="dflash", block_size=B, **kw)
             assert r.tokens == expected, f"{arch} B={B} {type(drafter).__name__}"
             accepted += r.accepted
@@ -120,8 +144,9 @@ def test_greedy_output_is_mlx_lms_with_the_same_processors(arch, tokenizer, no_e
         for budget, B in ((4, 3), (16, 8)):
             sibling = SiblingOracle(drafter_config(model, block_size=8), model, prompt, budget, None, None, procs)
             bind_drafter(sibling, model)
-            r = generate(model, tokenizer, prompt, sibling, verify_mode="ddtree", tree_budget=budget, block_size=B,
-                         **kw)
+            r = generate(
+                model, tokenizer, prompt, sibling, verify_mode="ddtree", tree_budget=budget, block_size=B, **kw
+            )
             assert r.tokens == expected, f"{arch} ddtree budget {budget} B={B}"
             assert max(r.accepted) == B - 1
 
@@ -136,13 +161,23 @@ def test_processors_see_the_prompt_and_every_token_before_the_row(tokenizer, no_
         def spy(tokens, logits):
             seen.setdefault(mode, []).append(tokens.tolist())
             return logits
+
         return [spy, *make_logits_processors(logit_bias=BIAS)]
 
     expected = mlx_lm_tokens(model, no_eos, prompt, spied("mlx-lm"), max_tokens=12)
     for mode in ("off", "dflash"):
         drafter = None if mode == "off" else script_drafter(model, prompt, expected)
-        r = generate(model, tokenizer, prompt, drafter, verify_mode=mode, block_size=None if mode == "off" else 4,
-                     max_tokens=12, eos_token_ids=[], logits_processors=spied(mode))
+        r = generate(
+            model,
+            tokenizer,
+            prompt,
+            drafter,
+            verify_mode=mode,
+            block_size=None if mode == "off" else 4,
+            max_tokens=12,
+            eos_token_ids=[],
+            logits_processors=spied(mode),
+        )
         assert r.tokens == expected
     for k in range(12):  # the row choosing output token k sees the prompt and output tokens 0..k-1
         assert seen["mlx-lm"][k] == prompt + expected[:k]
@@ -153,8 +188,7 @@ def test_processors_see_the_prompt_and_every_token_before_the_row(tokenizer, no_
 
 
 @pytest.mark.parametrize("mode", ["dflash", "adaptive", "ddtree"])
-def test_the_test_fails_when_the_rows_do_not_see_the_drafts_before_them(mode, tokenizer, no_eos, monkeypatch,
-                                                                        measured):
+def test_the_test_fails_when_the_rows_do_not_see_the_drafts_before_them(mode, tokenizer, no_eos, monkeypatch, measured):
     """Processors applied to each verify row with the committed tokens only (the drafts before the row left out):
     the output is no longer mlx-lm's, while plain decoding (which never verifies drafts) is unaffected."""
     model = make_target("qwen3", seed=1)
@@ -182,8 +216,16 @@ def test_no_processors_is_the_unprocessed_path(tokenizer, monkeypatch):
     monkeypatch.setattr(Processing, "__init__", lambda *a: pytest.fail("processing without processors"))
     for procs in (None, []):
         for mode, drafter in (("off", None), ("dflash", make_drafter(model, block_size=4))):
-            r = generate(model, tokenizer, prompt, drafter, verify_mode=mode, max_tokens=20, eos_token_ids=[],
-                         logits_processors=procs)
+            r = generate(
+                model,
+                tokenizer,
+                prompt,
+                drafter,
+                verify_mode=mode,
+                max_tokens=20,
+                eos_token_ids=[],
+                logits_processors=procs,
+            )
             assert r.tokens == plain
     with pytest.raises(ValueError, match="logits_processors must be a list of callables"):
         generate(model, tokenizer, prompt, None, verify_mode="off", logits_processors=[0.5])
@@ -202,6 +244,7 @@ def small_processors():
 def exact_law(model, procs, params=PARAMS) -> dict[tuple, float]:
     """P(t0, t1, t2 | PROMPT) when each token is drawn by mlx-lm's sampler from the row processed by mlx-lm's
     processors with PROMPT and the tokens before it (full forwards, no cache)."""
+
     def probs(prefix):
         logits = model(mx.array([PROMPT + list(prefix)]))[:, -1]
         for proc in procs:
@@ -216,7 +259,9 @@ def exact_law(model, procs, params=PARAMS) -> dict[tuple, float]:
 
 def adaptive_blocks():
     """A plain step after a shadow probe, then cycles (drafting priced cheap): both paths inside 3 tokens."""
-    return AdaptiveBlocks(CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1))
+    return AdaptiveBlocks(
+        CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1)
+    )
 
 
 def sampled(model, drafter, mode: str, seed: int, n: int) -> Counter:
@@ -275,17 +320,31 @@ def test_cli_flags_are_mlx_lms_processors(tiny_pair, tokenizer, capsys):
     mlx-lm's `make_logits_processors` of the same settings (plain decoding of the same target)."""
     target_dir, drafter_dir = tiny_pair
     flags = ["--repetition-penalty", "1.4", "--repetition-context-size", "8", "--logit-bias", "17:2.5, 40:-1e9"]
-    base = ["generate", "--model", str(target_dir), "--draft-model", str(drafter_dir), "--prompt", "w3 w14 w15",
-            "--max-tokens", "16", "--ignore-chat-template", "--json"]
+    base = [
+        "generate",
+        "--model",
+        str(target_dir),
+        "--draft-model",
+        str(drafter_dir),
+        "--prompt",
+        "w3 w14 w15",
+        "--max-tokens",
+        "16",
+        "--ignore-chat-template",
+        "--json",
+    ]
     outputs = {}
     for mode in ("off", "dflash"):
         assert main([*base, "--verify-mode", mode, *flags]) == 0
         outputs[mode] = json.loads(capsys.readouterr().out)["tokens"]
         assert main([*base, "--verify-mode", mode]) == 0
         assert json.loads(capsys.readouterr().out)["tokens"] != outputs[mode]
-    from_folder = mlx_lm_reference(target_dir, "w3 w14 w15", 16,
-                                   make_logits_processors(logit_bias={17: 2.5, 40: -1e9}, repetition_penalty=1.4,
-                                                          repetition_context_size=8))
+    from_folder = mlx_lm_reference(
+        target_dir,
+        "w3 w14 w15",
+        16,
+        make_logits_processors(logit_bias={17: 2.5, 40: -1e9}, repetition_penalty=1.4, repetition_context_size=8),
+    )
     assert outputs["off"] == outputs["dflash"] == from_folder
     assert 40 not in outputs["off"]
 
@@ -296,14 +355,17 @@ def mlx_lm_reference(folder, text, max_tokens, procs) -> list[int]:
     return [r.token for r in mlx_lm_stream_generate(model, tok, text, max_tokens=max_tokens, logits_processors=procs)]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--logit-bias", "17=2"], "--logit-bias takes comma-separated TOKEN_ID:BIAS pairs"),
-    (["--logit-bias=-3:1"], "--logit-bias token ids are >= 0"),
-    (["--logit-bias", "999:1"], "outside the target's vocabulary (256)"),
-    (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
-    (["--repetition-context-size", "4"], "--repetition-context-size applies to --repetition-penalty"),
-    (["--repetition-penalty", "1.2", "--repetition-context-size", "0"], "must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--logit-bias", "17=2"], "--logit-bias takes comma-separated TOKEN_ID:BIAS pairs"),
+        (["--logit-bias=-3:1"], "--logit-bias token ids are >= 0"),
+        (["--logit-bias", "999:1"], "outside the target's vocabulary (256)"),
+        (["--repetition-penalty", "-1"], "--repetition-penalty must be >= 0"),
+        (["--repetition-context-size", "4"], "--repetition-context-size applies to --repetition-penalty"),
+        (["--repetition-penalty", "1.2", "--repetition-context-size", "0"], "must be at least 1"),
+    ],
+)
 def test_cli_processor_flag_errors_are_one_line(tiny_pair, capsys, flags, message):
     assert main(["generate", "--model", str(tiny_pair[0]), "--verify-mode", "off", "--max-tokens", "2", *flags]) == 2
     err = capsys.readouterr().err.strip()
@@ -312,8 +374,26 @@ def test_cli_processor_flag_errors_are_one_line(tiny_pair, capsys, flags, messag
 
 def test_chat_takes_the_flags(tiny_pair, tiny_dflash2, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6 w7\nq\n"))
-    assert main(["chat", "--model", str(tiny_pair[0]), "--draft-model", str(tiny_dflash2), "--verify-mode", "dflash",
-                 "--max-tokens", "8", "--repetition-penalty", "1.5", "--logit-bias", "17:3"]) == 0
+    assert (
+        main(
+            [
+                "chat",
+                "--model",
+                str(tiny_pair[0]),
+                "--draft-model",
+                str(tiny_dflash2),
+                "--verify-mode",
+                "dflash",
+                "--max-tokens",
+                "8",
+                "--repetition-penalty",
+                "1.5",
+                "--logit-bias",
+                "17:3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     model, tokenizer = mlx_lm_load(str(tiny_pair[0]))
     ids = tokenizer.apply_chat_template(user("w5 w6 w7"), add_generation_prompt=True)
@@ -327,19 +407,23 @@ def test_server_takes_repetition_penalty_and_logit_bias(tiny_pair, tiny_dflash2)
     with running(tiny_pair[0], tiny_dflash2) as (app, port):
         ids = app.tokenizer.apply_chat_template(user("w3 w14 w15"), add_generation_prompt=True)
         procs = make_logits_processors(logit_bias={17: 3.0}, repetition_penalty=1.5, repetition_context_size=20)
-        want = generate(app.worker.model, app.tokenizer, ids, None, verify_mode="off", max_tokens=12,
-                        logits_processors=procs)
+        want = generate(
+            app.worker.model, app.tokenizer, ids, None, verify_mode="off", max_tokens=12, logits_processors=procs
+        )
         plain = generate(app.worker.model, app.tokenizer, ids, None, verify_mode="off", max_tokens=12)
         assert want.text != plain.text
-        status, _, body = request(port, "POST", "/v1/chat/completions",
-                                  {"messages": user("w3 w14 w15"), "max_tokens": 12, "repetition_penalty": 1.5,
-                                   "logit_bias": {"17": 3}})
+        status, _, body = request(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": user("w3 w14 w15"), "max_tokens": 12, "repetition_penalty": 1.5, "logit_bias": {"17": 3}},
+        )
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == want.text
         for bad in ({"17": "x"}, {"w": 1}, {"4096": 1}):
-            status, _, body = request(port, "POST", "/v1/chat/completions",
-                                      {"messages": user("w1"), "logit_bias": bad})
+            status, _, body = request(port, "POST", "/v1/chat/completions", {"messages": user("w1"), "logit_bias": bad})
             assert status == 400 and body["error"]["param"] == "logit_bias", body
-        status, _, body = request(port, "POST", "/v1/chat/completions",
-                                  {"messages": user("w1"), "repetition_penalty": -1})
+        status, _, body = request(
+            port, "POST", "/v1/chat/completions", {"messages": user("w1"), "repetition_penalty": -1}
+        )
         assert status == 400 and body["error"]["param"] == "repetition_penalty", body

@@ -8,8 +8,23 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
-from helpers import (COSTS, N, N_BROKEN, PROMPT, SETTINGS, V, assert_follows_mlx_lm, chi_square, decide_on,
-                     exact_distribution, make_drafter, make_hybrid, make_oracle, make_target, prompts)
+from helpers import (
+    COSTS,
+    N,
+    N_BROKEN,
+    PROMPT,
+    SETTINGS,
+    V,
+    assert_follows_mlx_lm,
+    chi_square,
+    decide_on,
+    exact_distribution,
+    make_drafter,
+    make_hybrid,
+    make_oracle,
+    make_target,
+    prompts,
+)
 from mlx_lm.generate import generate_step
 
 from dflash2_mlx import decode, generate, stream_cycles
@@ -17,8 +32,18 @@ from dflash2_mlx.adaptive import FixedBlocks
 from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import summarize
 from dflash2_mlx.loading import bind_drafter
-from dflash2_mlx.lookup import (MODES, CopySpec, LookupConfig, LookupIndex, Match, branch_tree, copyspec_config,
-                                graft, leading_matches, match_bucket)
+from dflash2_mlx.lookup import (
+    MODES,
+    CopySpec,
+    LookupConfig,
+    LookupIndex,
+    Match,
+    branch_tree,
+    copyspec_config,
+    graft,
+    leading_matches,
+    match_bucket,
+)
 from dflash2_mlx.sampling import Proposal
 from dflash2_mlx.tree import Tree
 
@@ -28,12 +53,12 @@ def brute_force(tokens: list[int], min_match: int, max_draft: int) -> Match | No
     after it, by trying every length and start."""
     n = len(tokens)
     for length in range(n - 1, 0, -1):
-        suffix = tokens[n - length:]
+        suffix = tokens[n - length :]
         for start in range(0, n - length):  # ends at start + length - 1 <= n - 2
-            if tokens[start: start + length] == suffix:
+            if tokens[start : start + length] == suffix:
                 if length < min_match:
                     return None
-                return Match(tokens[start + length: start + length + max_draft], length)
+                return Match(tokens[start + length : start + length + max_draft], length)
     return None
 
 
@@ -52,7 +77,7 @@ def test_index_is_the_brute_force_search(alphabet):
         index = LookupIndex(config, seq[:split])
         for i in range(split, len(seq) + 1):
             if i > split:
-                index.extend(seq[i - 1: i])
+                index.extend(seq[i - 1 : i])
             if i == 0:
                 continue
             expected = brute_force(seq[:i], config.min_match, config.max_draft)
@@ -108,10 +133,11 @@ def test_acceptance_is_tracked_by_match_length():
         spec.observe(short, [7, 7], [7, 9, 9])
     assert spec.expected(long) > 4.5 and spec.expected(short) < 1.2
     assert spec.lookup_wins(long) and not spec.lookup_wins(short)
-    assert spec.drafter_tokens == pytest.approx(1.5 * 0.8 ** 20 + 2.0 * (1 - 0.8 ** 20))  # 1 draft and the bonus
+    assert spec.drafter_tokens == pytest.approx(1.5 * 0.8**20 + 2.0 * (1 - 0.8**20))  # 1 draft and the bonus
 
 
 # -- lossless with lookups firing ---------------------------------------------------------------------------------
+
 
 def repeating_prompts(model, tokenizer, n: int = 3) -> list[list[int]]:
     """Prompts that repeat themselves: p, the target's own greedy answer to p, then p again; the lookup of the last
@@ -123,8 +149,11 @@ def repeating_prompts(model, tokenizer, n: int = 3) -> list[list[int]]:
     return out
 
 
-MODELS = {"qwen3": lambda: make_target("qwen3", seed=1), "llama": lambda: make_target("llama", seed=1),
-          "hybrid": lambda: make_hybrid("qwen3_5")}
+MODELS = {
+    "qwen3": lambda: make_target("qwen3", seed=1),
+    "llama": lambda: make_target("llama", seed=1),
+    "hybrid": lambda: make_hybrid("qwen3_5"),
+}
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
@@ -140,11 +169,24 @@ def test_greedy_identical_to_mlx_lm_with_lookups(arch, tokenizer, monkeypatch):
     for i, prompt in enumerate(repeating_prompts(model, tokenizer)):
         theirs = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model), range(40))]
         for mode in modes:
-            drafter = make_oracle(model, prompt, block_size=8, spoil_seed=i) if mode != "ddtree" else \
-                make_drafter(model, block_size=8, seed=7)
-            records = list(stream_cycles(model, tokenizer, prompt, drafter, verify_mode=mode, max_tokens=40,
-                                         eos_token_ids=[], copyspec_mode=LookupConfig(1, 8),
-                                         **({"tree_budget": 4} if mode == "ddtree" else {})))
+            drafter = (
+                make_oracle(model, prompt, block_size=8, spoil_seed=i)
+                if mode != "ddtree"
+                else make_drafter(model, block_size=8, seed=7)
+            )
+            records = list(
+                stream_cycles(
+                    model,
+                    tokenizer,
+                    prompt,
+                    drafter,
+                    verify_mode=mode,
+                    max_tokens=40,
+                    eos_token_ids=[],
+                    copyspec_mode=LookupConfig(1, 8),
+                    **({"tree_budget": 4} if mode == "ddtree" else {}),
+                )
+            )
             assert [t for r in records for t in r.tokens] == theirs, f"{arch} prompt {i} {mode}"
             result = summarize(records, drafter)
             assert result.lookup_tokens == sum(r.accepted for r in records if r.branch == "lookup")
@@ -157,8 +199,11 @@ def test_lookup_off_is_todays_cycle(tokenizer):
     model = make_target("qwen3", seed=1)
     prompt = repeating_prompts(model, tokenizer, 1)[0]
     oracle = make_oracle(model, prompt, block_size=8, spoil_seed=3)
-    records = list(stream_cycles(model, tokenizer, prompt, oracle, verify_mode="dflash", max_tokens=30,
-                                 eos_token_ids=[], copyspec_mode="off"))
+    records = list(
+        stream_cycles(
+            model, tokenizer, prompt, oracle, verify_mode="dflash", max_tokens=30, eos_token_ids=[], copyspec_mode="off"
+        )
+    )
     assert all(r.branch is None for r in records) and oracle.calls == len(records) - 1
     with pytest.raises(ValueError, match="copyspec mode must be one of"):
         generate(model, tokenizer, prompt, oracle, copyspec_mode="on")
@@ -166,14 +211,22 @@ def test_lookup_off_is_todays_cycle(tokenizer):
 
 # -- T > 0: the target's distribution with lookup branches ------------------------------------------------------
 
+
 def sample_with_lookups(target, drafter, params, seed, n=N):
     """n draws of the 3 tokens after PROMPT from `dflash_steps` (block 3), looking up matches of one token (on 4
     token ids nearly every cycle has one); also the cycles' branches."""
     mx.random.seed(seed)
     counts, branches = Counter(), Counter()
     for _ in range(n):
-        steps = dflash_steps(target, drafter, mx.array(PROMPT, mx.uint32), params, FixedBlocks(3), max_tokens=3,
-                             copyspec=LookupConfig(min_match=1, max_draft=2))
+        steps = dflash_steps(
+            target,
+            drafter,
+            mx.array(PROMPT, mx.uint32),
+            params,
+            FixedBlocks(3),
+            max_tokens=3,
+            copyspec=LookupConfig(min_match=1, max_draft=2),
+        )
         tokens = []
         for step in steps:
             tokens += step.tokens
@@ -189,8 +242,10 @@ def sample_with_lookups(target, drafter, params, seed, n=N):
 def sampling_pairs():
     llama = make_target("llama", vocab=V, seed=21)
     hybrid = make_hybrid("qwen3_5", vocab=V, seed=21)
-    return {name: (model, make_drafter(model, block_size=4, seed=5, output_multiplier=4.0))
-            for name, model in (("llama", llama), ("hybrid", hybrid))}
+    return {
+        name: (model, make_drafter(model, block_size=4, seed=5, output_multiplier=4.0))
+        for name, model in (("llama", llama), ("hybrid", hybrid))
+    }
 
 
 @pytest.mark.slow
@@ -209,8 +264,12 @@ def _lookup_as_sampled(tokens):
     """The mutation: a lookup's drafts taken as drawn from a spread distribution (uniform over the vocabulary)
     instead of the point mass they are."""
     ids = mx.array(list(tokens), dtype=mx.uint32)
-    return Proposal(ids, mx.broadcast_to(mx.arange(V, dtype=mx.uint32), (ids.size, V)),
-                    mx.full((ids.size, V), 1.0 / V), mx.array(True))
+    return Proposal(
+        ids,
+        mx.broadcast_to(mx.arange(V, dtype=mx.uint32), (ids.size, V)),
+        mx.full((ids.size, V), 1.0 / V),
+        mx.array(True),
+    )
 
 
 @pytest.mark.slow

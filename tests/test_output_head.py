@@ -17,11 +17,24 @@ from dflash2_mlx.loading import bind_drafter, load_drafter
 from dflash2_mlx.target import Target
 
 TOKENS = mx.array([[5, 9, 33, 2, 200, 17, 250, 64]])
-_COMMON = dict(hidden_size=HIDDEN, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256)
+_COMMON = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    vocab_size=256,
+)
 # llama4_text calls its untied head `output`
-_LLAMA4 = dict(model_type="llama4_text", head_dim=16, intermediate_size_mlp=128, rope_theta=10000.0,
-               no_rope_layers=[1, 1, 1, 0], use_qk_norm=False)
+_LLAMA4 = dict(
+    model_type="llama4_text",
+    head_dim=16,
+    intermediate_size_mlp=128,
+    rope_theta=10000.0,
+    no_rope_layers=[1, 1, 1, 0],
+    use_qk_norm=False,
+)
 _GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, rope_theta=10000.0)
 # Targets whose own __call__ transforms the logits or the embeddings (mlx-lm computes these inside __call__).
 SCALED = {
@@ -32,17 +45,39 @@ SCALED = {
     # embeddings * bfloat16(sqrt(64)); its own head, untied
     "gemma3_text": dict(model_type="gemma3_text", sliding_window_pattern=2, **_GEMMA),
     # logits / 4, embeddings * 3
-    "granite": dict(model_type="granite", logits_scaling=4.0, embedding_multiplier=3.0, attention_multiplier=0.25,
-                    residual_multiplier=0.5, max_position_embeddings=4096, attention_bias=False, mlp_bias=False,
-                    rope_theta=10000.0, tie_word_embeddings=True),
+    "granite": dict(
+        model_type="granite",
+        logits_scaling=4.0,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.25,
+        residual_multiplier=0.5,
+        max_position_embeddings=4096,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
     # logits * 0.5
     "cohere": dict(model_type="cohere", logit_scale=0.5, layer_norm_eps=1e-5),
     # tanh(logits * 0.3 / 4) * 4, untied
-    "muse_glimmer": dict(model_type="muse_glimmer", head_dim=16, output_multiplier=0.3, final_logit_softcapping=4.0,
-                         sliding_window=8, tie_word_embeddings=False),
+    "muse_glimmer": dict(
+        model_type="muse_glimmer",
+        head_dim=16,
+        output_multiplier=0.3,
+        final_logit_softcapping=4.0,
+        sliding_window=8,
+        tie_word_embeddings=False,
+    ),
     # untied: lm_head(h / (64 / 16)); embeddings * 2
-    "minicpm": dict(model_type="minicpm", dim_model_base=16, scale_emb=2.0, scale_depth=1.4,
-                    max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
+    "minicpm": dict(
+        model_type="minicpm",
+        dim_model_base=16,
+        scale_emb=2.0,
+        scale_depth=1.4,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -60,13 +95,22 @@ def tied_gemma3():
 
 
 TARGETS = {
-    **{f"{arch}-{'tied' if tied else 'untied'}": (lambda arch=arch, tied=tied: make_target(arch, tied=tied))
-       for arch in ("qwen3", "qwen2", "llama", "llama_swa") for tied in (True, False)},
-    **{f"{arch}-{'tied' if tied else 'untied'}": (lambda arch=arch, tied=tied: make_hybrid(arch, tied=tied))
-       for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next") for tied in (True, False)},
-    **{f"llama4_text-{'tied' if tied else 'untied'}":
-       (lambda tied=tied: make_model({**_COMMON, **_LLAMA4, "tie_word_embeddings": tied}, seed=3))
-       for tied in (True, False)},
+    **{
+        f"{arch}-{'tied' if tied else 'untied'}": (lambda arch=arch, tied=tied: make_target(arch, tied=tied))
+        for arch in ("qwen3", "qwen2", "llama", "llama_swa")
+        for tied in (True, False)
+    },
+    **{
+        f"{arch}-{'tied' if tied else 'untied'}": (lambda arch=arch, tied=tied: make_hybrid(arch, tied=tied))
+        for arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+        for tied in (True, False)
+    },
+    **{
+        f"llama4_text-{'tied' if tied else 'untied'}": (
+            lambda tied=tied: make_model({**_COMMON, **_LLAMA4, "tie_word_embeddings": tied}, seed=3)
+        )
+        for tied in (True, False)
+    },
     "qwen3-quantized-tied": lambda: quantized(make_target("qwen3", tied=True)),
     "qwen3-quantized-untied": lambda: quantized(make_target("qwen3", tied=False)),
     "qwen3_5-quantized-untied": lambda: quantized(make_hybrid("qwen3_5", tied=False)),
@@ -135,8 +179,9 @@ def test_drafter_embeddings_are_the_targets_own(kind):
     drafter, doubled = make_drafter(model), make_drafter(model, input_embedding_scale=2.0)
     for d, factor in ((drafter, 1.0), (doubled, 2.0)):
         got = d._target.embed(TOKENS) * d._target.embed_scale
-        np.testing.assert_allclose(np.array(got.astype(mx.float32)), factor * np.array(seen.astype(mx.float32)),
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            np.array(got.astype(mx.float32)), factor * np.array(seen.astype(mx.float32)), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "muse_glimmer"])

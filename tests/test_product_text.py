@@ -28,33 +28,39 @@ def findings(path: str, text: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("line", [
-    "Session 9: both drafters continue",
-    "the drafters bundled before them (sessions 2-7)",
-    "continue the session-8 drafters",
-    "Recipe comparisons (issue 14).",
-    "a fix for #14 in the loop",
-    "see bench-s13 for the numbers",
-    "`runs/smollm2/bench-s9.md`",
-    "run-s12.json has it",
-    "`run-s9.{md,json}`",
-    "the S13 report",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Session 9: both drafters continue",
+        "the drafters bundled before them (sessions 2-7)",
+        "continue the session-8 drafters",
+        "Recipe comparisons (issue 14).",
+        "a fix for #14 in the loop",
+        "see bench-s13 for the numbers",
+        "`runs/smollm2/bench-s9.md`",
+        "run-s12.json has it",
+        "`run-s9.{md,json}`",
+        "the S13 report",
+    ],
+)
 def test_patterns_flag_work_periods_issues_and_dated_names(line):
     assert findings("x.md", line)
 
 
-@pytest.mark.parametrize("line", [
-    "requests.Session() keeps an HTTP session open",
-    "one inference session per model",
-    '@pytest.fixture(scope="session")',
-    "returns the report as markdown to paste into an issue",
-    'assert {"drafter#2 B=4 greedy"} <= methods',
-    "# 1. prefill",
-    "color: #fff",
-    "the bench report `runs/smollm2/bench.md` and `bench-peers.md`",
-    "sm_80 kernels, S-shaped curve, SmolLM2-135M",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "requests.Session() keeps an HTTP session open",
+        "one inference session per model",
+        '@pytest.fixture(scope="session")',
+        "returns the report as markdown to paste into an issue",
+        'assert {"drafter#2 B=4 greedy"} <= methods',
+        "# 1. prefill",
+        "color: #fff",
+        "the bench report `runs/smollm2/bench.md` and `bench-peers.md`",
+        "sm_80 kernels, S-shaped curve, SmolLM2-135M",
+    ],
+)
 def test_patterns_leave_legitimate_words_alone(line):
     assert findings("x.md", line) == []
 

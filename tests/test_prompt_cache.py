@@ -122,8 +122,17 @@ def test_a_generation_closed_early_leaves_a_usable_cache(tokenizer):
     drafter = make_dflash2_drafter(model, block_size=8)
     proposals, cache = recording(drafter), PromptCache()
     p1 = list(range(50, 62))
-    records = stream_cycles(model, tokenizer, p1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=4,
-                              max_tokens=40, eos_token_ids=[])
+    records = stream_cycles(
+        model,
+        tokenizer,
+        p1,
+        drafter,
+        prompt_cache=cache,
+        verify_mode="dflash",
+        block_size=4,
+        max_tokens=40,
+        eos_token_ids=[],
+    )
     delivered = [t for _, r in zip(range(3), records) for t in r.tokens]
     records.close()
     p2 = p1 + delivered + [7, 8, 9]
@@ -145,8 +154,7 @@ def test_a_failed_generation_drops_the_cache(tokenizer):
 
     drafter.propose = fail
     with pytest.raises(RuntimeError, match="drafter failed"):
-        generate(model, tokenizer, list(range(20, 40)), drafter, prompt_cache=cache, verify_mode="dflash",
-                 max_tokens=8)
+        generate(model, tokenizer, list(range(20, 40)), drafter, prompt_cache=cache, verify_mode="dflash", max_tokens=8)
     drafter.propose = propose
     assert cache.tokens == [] and cache.target_cache is None
     generate(model, tokenizer, list(range(20, 40)), drafter, prompt_cache=cache, verify_mode="dflash", max_tokens=8)
@@ -165,8 +173,9 @@ def test_second_chat_turn_on_the_default_pair(smollm2):
     proposals, cache = recording(drafter), PromptCache()
     turn1 = [{"role": "user", "content": "Name three colours."}]
     ids1 = tokenizer.apply_chat_template(turn1, add_generation_prompt=True)
-    first = generate(model, tokenizer, ids1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=8,
-                     max_tokens=24)
+    first = generate(
+        model, tokenizer, ids1, drafter, prompt_cache=cache, verify_mode="dflash", block_size=8, max_tokens=24
+    )
     turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And three more?"}]
     ids2 = tokenizer.apply_chat_template(turn2, add_generation_prompt=True)
     reused = run(model, tokenizer, ids2, drafter, proposals, cache, block_size=8, max_tokens=24, eos_token_ids=None)
@@ -194,7 +203,7 @@ def test_prompt_caches_keep_recent_slots_within_their_bounds(tokenizer):
     # the third conversation's next turn: its slot, whole
     turn = prompts[2] + firsts[2][0] + [7, 8]
     slot = pool.take(model, drafter, turn)
-    assert slot.tokens[:len(prompts[2])] == prompts[2] and len(pool) == 1
+    assert slot.tokens[: len(prompts[2])] == prompts[2] and len(pool) == 1
     assert run(model, tokenizer, turn, drafter, proposals, slot) == run(model, tokenizer, turn, drafter, proposals)
     assert slot.reused >= len(prompts[2]) + len(firsts[2][0]) - 1
     pool.put(slot)
@@ -204,14 +213,16 @@ def test_prompt_caches_keep_recent_slots_within_their_bounds(tokenizer):
     branch = prompts[1][:6] + [9, 9, 9]
     slot = pool.take(model, drafter, branch)
     assert slot is not second and second in pool.slots.values()
-    assert run(model, tokenizer, branch, drafter, proposals, slot) == run(model, tokenizer, branch, drafter,
-                                                                          proposals)
+    assert run(model, tokenizer, branch, drafter, proposals, slot) == run(model, tokenizer, branch, drafter, proposals)
     assert slot.reused == 6 and second.tokens == before
     # the branch back in: three slots over a budget of two; then a byte budget that holds the newest only
     pool.put(slot)
     assert len(pool) == 2 and slot in pool.slots.values() and second in pool.slots.values()
-    sizes = {id(s): sum(a.nbytes for c in s.target_cache + s.draft_cache for a in (c.keys, c.values))
-             + sum(p.nbytes for p in s.pending) for s in pool.slots.values()}
+    sizes = {
+        id(s): sum(a.nbytes for c in s.target_cache + s.draft_cache for a in (c.keys, c.values))
+        + sum(p.nbytes for p in s.pending)
+        for s in pool.slots.values()
+    }
     pool.max_bytes = sizes[id(slot)]
     pool.put(slot)
     assert list(pool.slots.values()) == [slot] and pool.nbytes == sizes[id(slot)]

@@ -27,7 +27,8 @@ def test_a_suite_reports_cite_never_changes(name):
     assert digest == PINNED.get(name), (
         f"the {name!r} suite's prompts hash to {digest}, not to the pinned {PINNED.get(name)}: reports cite suites "
         "by name, so a changed suite gets a new name (add it to SUITES beside this one, and pin its hash here), "
-        "and this one stays as it is")
+        "and this one stays as it is"
+    )
     assert prompts_sha256(prompts) == digest  # what a report records of the prompts it ran
 
 

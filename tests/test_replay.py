@@ -28,7 +28,9 @@ def test_fixed_blocks_replay_commits_and_times_each_cycle_by_hand():
     # anchors 0 (+3), 3 (+1: its first draft wrong), 4 (+3), 7 (+3), 10 (a block of 2 fits the last token: +1)
     assert out.blocks == [3, 3, 3, 3, 2] and out.accepted == [2, 0, 2, 2, 1]
     assert out.tokens == 12 and out.plain_steps == 0 and out.probes == 0
-    assert out.seconds == pytest.approx(4 * (COSTS.verify_s[2] + COSTS.draft_s[1]) + COSTS.verify_s[1] + COSTS.draft_s[0])
+    assert out.seconds == pytest.approx(
+        4 * (COSTS.verify_s[2] + COSTS.draft_s[1]) + COSTS.verify_s[1] + COSTS.draft_s[0]
+    )
     assert out.tokens_per_s == pytest.approx(11 / out.seconds)
 
 
@@ -83,14 +85,26 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_s
     token."""
     decide_on(monkeypatch, COSTS)
     policies = []
-    monkeypatch.setattr(generate_module, "block_policy", lambda target, drafter, B, mode, costs=None: policies.append(
-        Logged(COSTS, AdaptiveConfig(B))) or policies[-1])
+    monkeypatch.setattr(
+        generate_module,
+        "block_policy",
+        lambda target, drafter, B, mode, costs=None: policies.append(Logged(COSTS, AdaptiveConfig(B))) or policies[-1],
+    )
     model = make_target("llama", seed=7)
     prompt = prompts(1, seed=6)[0]
-    oracle = lambda: make_oracle(model, prompt, block_size=8, right_between=(40, 90),  # noqa: E731
-                                 wrong_every=wrong_every, logit_scale=logit_scale)
-    records = list(generate_module.stream_cycles(model, tokenizer, prompt, oracle(), verify_mode="adaptive",
-                                                   max_tokens=140, eos_token_ids=[]))
+    oracle = lambda: make_oracle(
+        model,
+        prompt,
+        block_size=8,
+        right_between=(40, 90),  # noqa: E731
+        wrong_every=wrong_every,
+        logit_scale=logit_scale,
+    )
+    records = list(
+        generate_module.stream_cycles(
+            model, tokenizer, prompt, oracle(), verify_mode="adaptive", max_tokens=140, eos_token_ids=[]
+        )
+    )
     drafter = oracle()
     trace = record(bind_drafter(drafter, model), drafter, prompt, 140, [8])
     assert trace.tokens == [t for r in records for t in r.tokens]
@@ -124,9 +138,28 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     target, drafter = tiny_pair
     traces, out, suite = tmp_path / "traces.json", tmp_path / "replay.json", tmp_path / "prompts.jsonl"
     suite.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["w1 w2 w3 w4", "w9 w8 w7"]))
-    args = ["bench", "--model", str(target), "--draft-model", str(drafter), "--replay", "--prompts", str(suite),
-            "--num-prompts", "2", "--max-tokens", "24", "--block-sizes", "3,5", "--replay-traces", str(traces),
-            "--json", str(out), "--markdown", str(tmp_path / "replay.md")]
+    args = [
+        "bench",
+        "--model",
+        str(target),
+        "--draft-model",
+        str(drafter),
+        "--replay",
+        "--prompts",
+        str(suite),
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "24",
+        "--block-sizes",
+        "3,5",
+        "--replay-traces",
+        str(traces),
+        "--json",
+        str(out),
+        "--markdown",
+        str(tmp_path / "replay.md"),
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())["replay"]
     assert [r["prompt"] for r in rows] == [1, 2] and all(set(r["fixed"]) == {"3", "5"} for r in rows)
@@ -138,12 +171,17 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     # how often first drafts are accepted at each confidence, counted here from the kept traces
     kept = list(json.loads(traces.read_text()).values())
     top = max(kept[0]["drafts"], key=int)
-    firsts = [(t["confidence"][top][j][0], t["drafts"][top][j][0] == t["tokens"][j + 1])
-              for t in kept for j in range(len(t["tokens"]) - 1)]
+    firsts = [
+        (t["confidence"][top][j][0], t["drafts"][top][j][0] == t["tokens"][j + 1])
+        for t in kept
+        for j in range(len(t["tokens"]) - 1)
+    ]
     cells = {k: [ok for c, ok in firsts if min(int(c * 5), 4) == k] for k in range(5)}
     assert sum(map(len, cells.values())) == len(firsts) > 0 and 0.0 < sum(c for c, _ in firsts) / len(firsts) < 1.0
-    line = ", ".join(f"{k / 5:.1f}-{(k + 1) / 5:.1f}: " + (f"{sum(v) / len(v):.0%} of {len(v)}" if v else "none")
-                     for k, v in cells.items())
+    line = ", ".join(
+        f"{k / 5:.1f}-{(k + 1) / 5:.1f}: " + (f"{sum(v) / len(v):.0%} of {len(v)}" if v else "none")
+        for k, v in cells.items()
+    )
     assert f"accepted by the drafter's confidence in them: {line}\n" in table
 
     # on perturbed curves: each prompt averaged over them (by hand, from the kept traces and the report's curve)
@@ -153,8 +191,11 @@ def test_bench_replay_reports_records_and_reuses(tiny_pair, tmp_path, monkeypatc
     bound = bind_drafter(loaded, model)
     costs = CostModel(**next(iter(report["costs"].values())))
     for row, kept_trace in zip(report["replay"], kept):
-        trace = Trace(kept_trace["tokens"], {int(B): d for B, d in kept_trace["drafts"].items()},
-                      {int(B): c for B, c in kept_trace["confidence"].items()})
+        trace = Trace(
+            kept_trace["tokens"],
+            {int(B): d for B, d in kept_trace["drafts"].items()},
+            {int(B): c for B, c in kept_trace["confidence"].items()},
+        )
         vs_plain, vs_best = [], []
         for seed in range(3):
             curve = perturbed(costs, seed)

@@ -12,8 +12,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    N, N_BROKEN, SETTINGS, V, assert_follows_mlx_lm, chi_square, exact_distribution, make_dflash2_drafter, make_drafter,
-    make_target, mlx_lm_probabilities, sample_sequences,
+    N,
+    N_BROKEN,
+    SETTINGS,
+    V,
+    assert_follows_mlx_lm,
+    chi_square,
+    exact_distribution,
+    make_dflash2_drafter,
+    make_drafter,
+    make_target,
+    mlx_lm_probabilities,
+    sample_sequences,
 )
 from mlx_lm.sample_utils import make_sampler
 
@@ -23,6 +33,7 @@ from dflash2_mlx.costs import CostModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Proposal, SamplingParams, accept, probabilities, sample
 from dflash2_mlx.target import Target
+
 
 def temperature_first(logits: mx.array, params: SamplingParams) -> np.ndarray:
     """The wrong order (what dflash2 did before): mlx-lm's filters applied to the tempered distribution."""
@@ -36,7 +47,9 @@ COSTS_STEEP = CostModel([1.0, 1.1, 1.6, 2.1], [0.1] * 3)
 def adaptive_blocks():
     """Adaptive mode that mixes both paths inside 3 tokens: a plain step after a shadow probe, then its own choice
     (costs that make drafting look cheap, so it keeps drafting while drafts are accepted)."""
-    return AdaptiveBlocks(CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1))
+    return AdaptiveBlocks(
+        CostModel([1.0, 1.5, 1.5], [0.1, 0.1]), AdaptiveConfig(3, prior=[0.0, 0.0], prior_weight=1.0, plain_run=1)
+    )
 
 
 def full_blocks():
@@ -187,8 +200,7 @@ def test_sample_draws_what_mlx_lms_sampler_draws(params):
 @pytest.mark.parametrize("params", UNIT_SETTINGS, ids=str)
 def test_probabilities_are_mlx_lms(params):
     logits = tied_logits(64, 50, seed=1)
-    np.testing.assert_allclose(np.array(probabilities(logits, params)), mlx_lm_probabilities(logits, params),
-                               atol=1e-6)
+    np.testing.assert_allclose(np.array(probabilities(logits, params)), mlx_lm_probabilities(logits, params), atol=1e-6)
 
 
 @pytest.mark.parametrize("params", UNIT_SETTINGS[:5], ids=str)
@@ -199,7 +211,8 @@ def test_the_reference_is_mlx_lms_sampler(params):
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.random.seed(5)
     draws = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)(
-        mx.tile(logprobs, (200_000 // 3, 1))).reshape(-1, 3)
+        mx.tile(logprobs, (200_000 // 3, 1))
+    ).reshape(-1, 3)
     n = draws.shape[0]
     for row in range(3):
         counts = Counter(np.array(draws[:, row]).tolist())
@@ -217,14 +230,17 @@ def test_filters_act_before_temperature():
     # top-p 0.8: the smallest most-likely set reaching 0.8 of the untempered mass, 3 tokens
     # (tempering first would leave one: 0.83 at T = 0.5)
     keep = np.cumsum(full) - full < 0.8
-    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, top_p=0.8)))[0], tempered(keep),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.array(probabilities(logits, SamplingParams(0.5, top_p=0.8)))[0], tempered(keep), rtol=1e-5
+    )
     # min-p 0.2: p >= 0.2 * max p untempered, 3 tokens (tempered ratios would keep one)
     keep = full >= 0.2 * full.max()
-    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5, min_p=0.2)))[0], tempered(keep),
-                               rtol=1e-5)
-    np.testing.assert_allclose(np.array(probabilities(logits, SamplingParams(0.5)))[0], tempered(np.ones(5, bool)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.array(probabilities(logits, SamplingParams(0.5, min_p=0.2)))[0], tempered(keep), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.array(probabilities(logits, SamplingParams(0.5)))[0], tempered(np.ones(5, bool)), rtol=1e-5
+    )
 
 
 def test_filter_ties():
@@ -244,16 +260,19 @@ def test_greedy_sample_is_argmax():
     assert sample(logits, SamplingParams()).tolist() == [1, 0]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(temperature=-1), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
-    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(top_k=2.5), "top_k must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(temperature=-1), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+        (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0"),
+    ],
+)
 def test_bad_sampling_params(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
@@ -262,8 +281,14 @@ def test_bad_sampling_params(kw, message):
 # -- the acceptance step's exact law ------------------------------------------------------------------------
 
 
-def accept_law(candidates: mx.array, probs: mx.array, target_logits: mx.array, params: SamplingParams,
-               finite: bool = True, drafts: dict[int, float] | None = None) -> dict[tuple[int, ...], float]:
+def accept_law(
+    candidates: mx.array,
+    probs: mx.array,
+    target_logits: mx.array,
+    params: SamplingParams,
+    finite: bool = True,
+    drafts: dict[int, float] | None = None,
+) -> dict[tuple[int, ...], float]:
     """The exact law of what one cycle commits (the accepted draft, then the bonus) for a one-draft proposal
     drawn from the sparse q (candidates [1, k], probs [1, k]; or `drafts`, token -> weight) against the
     verify rows target_logits [2, V], computed from `accept` itself with its two random draws under the
@@ -373,8 +398,11 @@ def test_the_exact_law_catches_a_dense_reading_of_q(monkeypatch):
     params = SamplingParams(0.7, top_p=0.9)
     dense_ids = mx.broadcast_to(mx.arange(3), SPARSE_IDS.shape)
     real = sampling.accept_sampled
-    monkeypatch.setattr(sampling, "accept_sampled",
-                        lambda prop, logits, params: real(prop._replace(candidates=dense_ids), logits, params))
+    monkeypatch.setattr(
+        sampling,
+        "accept_sampled",
+        lambda prop, logits, params: real(prop._replace(candidates=dense_ids), logits, params),
+    )
     first, _ = law_errors(accept_law(SPARSE_IDS, SPARSE_Q, SPARSE_TARGET, params), SPARSE_TARGET, params)
     assert first > 0.05, f"a misplaced q passed: first-token error {first:.2g}"
 

@@ -27,6 +27,7 @@ from dflash2_apps.cli import main
 from dflash2_mlx import generate
 from dflash2_mlx.server import scheduler
 
+
 @pytest.fixture(scope="module")
 def served(tiny_pair, tiny_dflash2):
     with running(tiny_pair[0], tiny_dflash2, "--queue-size", 8, "--max-tokens", 16) as s:
@@ -40,7 +41,7 @@ def stream(port, path, body) -> list:
         conn.request("POST", path, body=json.dumps({**body, "stream": True}))
         r = conn.getresponse()
         assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
-        events = [line[len(b"data: "):].decode() for line in r.read().split(b"\n\n") if line]
+        events = [line[len(b"data: ") :].decode() for line in r.read().split(b"\n\n") if line]
         return [e if e == "[DONE]" else json.loads(e) for e in events]
     finally:
         conn.close()
@@ -71,8 +72,11 @@ def test_streaming_chat_equals_generate(served):
     app, port = served
     messages = user("w7 w8 w9")
     want = expected(app, chat_ids(app, messages), 14)
-    events = stream(port, "/v1/chat/completions",
-                    {"messages": messages, "max_completion_tokens": 14, "stream_options": {"include_usage": True}})
+    events = stream(
+        port,
+        "/v1/chat/completions",
+        {"messages": messages, "max_completion_tokens": 14, "stream_options": {"include_usage": True}},
+    )
     assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -102,8 +106,9 @@ def test_stop_strings_cut_the_text(served):
     words = want.split()
     assert len(words) >= 4, want  # the prompt must give a text to cut
     stop = " ".join(words[2:4])
-    status, _, body = request(port, "POST", "/v1/chat/completions",
-                              {"messages": messages, "max_tokens": 12, "stop": [stop, "never"]})
+    status, _, body = request(
+        port, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "stop": [stop, "never"]}
+    )
     assert status == 200
     assert body["choices"][0]["message"]["content"] == want[: want.index(stop)]
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -122,28 +127,31 @@ def test_second_turn_reuses_the_conversation(served):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(chat_ids(app, first)) + len(reply.split()) - 1
 
 
-@pytest.mark.parametrize("raw, status, param, fragment", [
-    (b'{"messages": [', 400, None, "not valid JSON"),
-    (b"[1, 2]", 400, None, "must be a JSON object"),
-    ({"messages": GOOD, "max_tokens": "ten"}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
-    ({"messages": GOOD, "temperature": "hot"}, 400, "temperature", "'temperature' must be a number"),
-    ({"messages": GOOD, "stream": "yes"}, 400, "stream", "'stream' must be true or false"),
-    ({"messages": GOOD, "top_p": 2}, 400, None, "top_p must be in (0, 1]"),
-    ({"messages": GOOD, "stop": [1]}, 400, "stop", "'stop' must be a string or a list of strings"),
-    ({"messages": "w1 w2"}, 400, "messages", "'messages' must be a list"),
-    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages[0].content must be a string"),
-    ({"messages": []}, 400, "messages", "'messages' is empty"),
-    ({"messages": GOOD, "max_tokens": 0}, 400, "max_tokens", "'max_tokens' must be an integer >= 1, got 0"),
-    ({"messages": GOOD, "max_completion_tokens": -3}, 400, "max_completion_tokens", "must be an integer >= 1"),
-    ({"messages": user(" ".join(["w9"] * CONTEXT))}, 400, "messages", f"this model's context is {CONTEXT} tokens"),
-    ({"messages": GOOD, "max_tokens": CONTEXT}, 400, "max_tokens", "lower max_tokens to"),
-    ({"prompt": ""}, 400, "prompt", "'prompt' must be a non-empty string"),
-    ({"messages": GOOD, "n": 2}, 400, "n", "'n' must be 1"),
-    ({"messages": GOOD, "top_logprobs": 3}, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true"),
-    ({"messages": GOOD, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "an integer in 0..20, got 50"),
-    ({"prompt": "w1", "logprobs": 21}, 400, "logprobs", "'logprobs' must be an integer in 0..20, got 21"),
-    ({"messages": GOOD, "model": "gpt-4o"}, 404, "model", "the model 'gpt-4o' does not exist here"),
-])
+@pytest.mark.parametrize(
+    "raw, status, param, fragment",
+    [
+        (b'{"messages": [', 400, None, "not valid JSON"),
+        (b"[1, 2]", 400, None, "must be a JSON object"),
+        ({"messages": GOOD, "max_tokens": "ten"}, 400, "max_tokens", "'max_tokens' must be an integer >= 1"),
+        ({"messages": GOOD, "temperature": "hot"}, 400, "temperature", "'temperature' must be a number"),
+        ({"messages": GOOD, "stream": "yes"}, 400, "stream", "'stream' must be true or false"),
+        ({"messages": GOOD, "top_p": 2}, 400, None, "top_p must be in (0, 1]"),
+        ({"messages": GOOD, "stop": [1]}, 400, "stop", "'stop' must be a string or a list of strings"),
+        ({"messages": "w1 w2"}, 400, "messages", "'messages' must be a list"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages[0].content must be a string"),
+        ({"messages": []}, 400, "messages", "'messages' is empty"),
+        ({"messages": GOOD, "max_tokens": 0}, 400, "max_tokens", "'max_tokens' must be an integer >= 1, got 0"),
+        ({"messages": GOOD, "max_completion_tokens": -3}, 400, "max_completion_tokens", "must be an integer >= 1"),
+        ({"messages": user(" ".join(["w9"] * CONTEXT))}, 400, "messages", f"this model's context is {CONTEXT} tokens"),
+        ({"messages": GOOD, "max_tokens": CONTEXT}, 400, "max_tokens", "lower max_tokens to"),
+        ({"prompt": ""}, 400, "prompt", "'prompt' must be a non-empty string"),
+        ({"messages": GOOD, "n": 2}, 400, "n", "'n' must be 1"),
+        ({"messages": GOOD, "top_logprobs": 3}, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true"),
+        ({"messages": GOOD, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", "an integer in 0..20, got 50"),
+        ({"prompt": "w1", "logprobs": 21}, 400, "logprobs", "'logprobs' must be an integer in 0..20, got 21"),
+        ({"messages": GOOD, "model": "gpt-4o"}, 404, "model", "the model 'gpt-4o' does not exist here"),
+    ],
+)
 def test_bad_input_gets_an_openai_error(served, raw, status, param, fragment):
     app, port = served
     path = "/v1/completions" if isinstance(raw, dict) and "prompt" in raw else "/v1/chat/completions"
@@ -207,14 +215,18 @@ def test_client_disconnect_cancels_at_the_next_cycle(served, monkeypatch):
     with gated(monkeypatch) as (gate, counts):
         body = json.dumps({"messages": messages, "max_tokens": 200, "stream": True}).encode()
         sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         received = b""
         while b"data: " not in received:  # the first chunk
             received += sock.recv(4096)
         sock.close()
-        wait_for(lambda: app.worker.running is not None and app.worker.running.cancelled.is_set(),
-                 "the server to notice the client left")
+        wait_for(
+            lambda: app.worker.running is not None and app.worker.running.cancelled.is_set(),
+            "the server to notice the client left",
+        )
         gate.set()
         wait_for(lambda: app.worker.running is None, "the generation to stop")
     assert counts == [2]  # the held record and one more: it stopped at the next cycle
@@ -238,8 +250,11 @@ def test_eight_concurrent_clients(served):
         else:
             status, _, reply = request(port, "POST", "/v1/chat/completions", body)
             assert status == 200, reply
-            results[i] = (reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"],
-                          reply["choices"][0]["finish_reason"])
+            results[i] = (
+                reply["choices"][0]["message"]["content"],
+                reply["usage"]["completion_tokens"],
+                reply["choices"][0]["finish_reason"],
+            )
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
     for t in threads:
@@ -277,11 +292,16 @@ def test_full_queue_answers_503_with_retry_after(tiny_pair, tiny_dflash2, monkey
 
 
 def test_a_request_past_its_timeout_is_stopped(tiny_pair, tiny_dflash2, monkeypatch):
-    with running(tiny_pair[0], tiny_dflash2, "--request-timeout", 0.5) as (app, port), \
-            gated(monkeypatch) as (gate, counts):
+    with (
+        running(tiny_pair[0], tiny_dflash2, "--request-timeout", 0.5) as (app, port),
+        gated(monkeypatch) as (gate, counts),
+    ):
         answer = {}
-        client = threading.Thread(target=lambda: answer.update(r=request(
-            port, "POST", "/v1/chat/completions", {"messages": GOOD, "max_tokens": 50})))
+        client = threading.Thread(
+            target=lambda: answer.update(
+                r=request(port, "POST", "/v1/chat/completions", {"messages": GOOD, "max_tokens": 50})
+            )
+        )
         client.start()
         wait_for(lambda: app.worker.running is not None, "the request to run")
         job = app.worker.running
@@ -298,8 +318,23 @@ def test_the_cli_serves_on_loopback_and_stops_on_interrupt(tiny_pair, tiny_dflas
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path]), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash2_apps.cli", "serve", "--model", str(tiny_pair[0]), "--draft-model",
-         str(tiny_dflash2), "--port", "0"], cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dflash2_apps.cli",
+            "serve",
+            "--model",
+            str(tiny_pair[0]),
+            "--draft-model",
+            str(tiny_dflash2),
+            "--port",
+            "0",
+        ],
+        cwd=root,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = ""
         deadline = time.monotonic() + TIMEOUT
@@ -333,17 +368,40 @@ def test_chat_repl_keeps_the_conversation(tiny_pair, tiny_dflash2, monkeypatch, 
     from dflash2_mlx import load
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6 w7\nw8 w9\nq\n"))
-    code = main(["chat", "--model", str(tiny_pair[0]), "--draft-model", str(tiny_dflash2), "--verify-mode",
-                 "dflash", "--max-tokens", "8"])
+    code = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_pair[0]),
+            "--draft-model",
+            str(tiny_dflash2),
+            "--verify-mode",
+            "dflash",
+            "--max-tokens",
+            "8",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     model, tokenizer, _ = load(str(tiny_pair[0]))
     turn1 = [{"role": "user", "content": "w5 w6 w7"}]
-    a1 = generate(model, tokenizer, tokenizer.apply_chat_template(turn1, add_generation_prompt=True), None,
-                  verify_mode="off", max_tokens=8)
+    a1 = generate(
+        model,
+        tokenizer,
+        tokenizer.apply_chat_template(turn1, add_generation_prompt=True),
+        None,
+        verify_mode="off",
+        max_tokens=8,
+    )
     turn2 = turn1 + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": "w8 w9"}]
-    a2 = generate(model, tokenizer, tokenizer.apply_chat_template(turn2, add_generation_prompt=True), None,
-                  verify_mode="off", max_tokens=8)
+    a2 = generate(
+        model,
+        tokenizer,
+        tokenizer.apply_chat_template(turn2, add_generation_prompt=True),
+        None,
+        verify_mode="off",
+        max_tokens=8,
+    )
     assert f">> {a1.text}\n>> {a2.text}\n>> " == out
     summaries = [line for line in err.splitlines() if "[dflash B=" in line]
     assert len(summaries) == 2 and all("tau" in s and "TTFT" in s for s in summaries)

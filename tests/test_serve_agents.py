@@ -58,8 +58,7 @@ def measured_in_requests(port: int, calls: list) -> int:
     api = client(port)
     reply = api.chat.completions.create(model="default_model", messages=user("w3 w4 w5"), max_tokens=6)
     assert reply.choices[0].finish_reason in ("stop", "length")
-    chunks = list(api.chat.completions.create(model="default_model", messages=user("w6 w7"), max_tokens=6,
-                                              stream=True))
+    chunks = list(api.chat.completions.create(model="default_model", messages=user("w6 w7"), max_tokens=6, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert api.completions.create(model="default_model", prompt="w1 w2 w3", max_tokens=6).choices[0].text is not None
     return len(calls) - before
@@ -67,8 +66,9 @@ def measured_in_requests(port: int, calls: list) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["adaptive", "ddtree"])
-def test_cycle_costs_are_measured_before_serving_never_in_a_request(tiny_pair, tiny_dflash2, measurements, mode,
-                                                                     monkeypatch, caplog):
+def test_cycle_costs_are_measured_before_serving_never_in_a_request(
+    tiny_pair, tiny_dflash2, measurements, mode, monkeypatch, caplog
+):
     """The costs are measured once, in the thread that builds the server, before it listens; then requests run
     none, even when every generation says the curve is stale (adaptive mode's verdict drops the cached copy,
     which without the warm start makes the next request measure again: see the negative control below)."""
@@ -123,8 +123,9 @@ def test_the_model_answers_to_its_id_and_its_served_names(tiny_pair, tiny_dflash
         with pytest.raises(openai.NotFoundError) as caught:
             api.chat.completions.create(model="gpt-4o", messages=GOOD, max_tokens=2)
         assert caught.value.code == "model_not_found"
-        assert "'gpt-4o' does not exist here: this server serves 'tiny', 'alias-a', 'alias-b', 'alias-c'" in \
-            str(caught.value)
+        assert "'gpt-4o' does not exist here: this server serves 'tiny', 'alias-a', 'alias-b', 'alias-c'" in str(
+            caught.value
+        )
         assert request(port, "GET", "/health")[2]["served_model_names"] == names
 
 
@@ -152,9 +153,16 @@ TOOL_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|> {% endif %}"
 )
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def save_tool_tokenizer(folder: Path) -> None:
@@ -168,8 +176,13 @@ def save_tool_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<mask>"],
+    )
     fast.chat_template = TOOL_TEMPLATE
     fast.save_pretrained(folder)
 
@@ -203,7 +216,7 @@ def pieces(text: str, sizes) -> list[str]:
     for n in itertools.cycle(sizes):
         if i >= len(text):
             return out
-        out.append(text[i:i + n])
+        out.append(text[i : i + n])
         i += n
 
 
@@ -226,8 +239,10 @@ def test_tool_calls_are_split_off_the_text_however_it_comes(tool_tokenizer, stre
     assert all(r == results[0] for r in results)
     content, calls = results[0]
     assert content == "Let me look.  and  done"
-    expect = [{"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
-              for city in ("Paris", "Oslo")]
+    expect = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+        for city in ("Paris", "Oslo")
+    ]
     if streaming:
         expect = [{**call, "index": i} for i, call in enumerate(expect)]
     assert calls == expect
@@ -262,10 +277,19 @@ def emitting(monkeypatch, tokenizer, text: str):
                 detokenizer.finalize()
             else:
                 detokenizer.add_token(t)
-            yield CycleResponse(text=detokenizer.last_segment, tokens=[t], accepted=None if n == 1 else 0,
-                                prompt_tokens=len(prompt), prompt_tps=1.0, generation_tokens=n,
-                                generation_tps=1.0, peak_memory=0.0, finish_reason="stop" if last else None,
-                                verify_mode="dflash", block_size=None if n == 1 else 4)
+            yield CycleResponse(
+                text=detokenizer.last_segment,
+                tokens=[t],
+                accepted=None if n == 1 else 0,
+                prompt_tokens=len(prompt),
+                prompt_tps=1.0,
+                generation_tokens=n,
+                generation_tps=1.0,
+                peak_memory=0.0,
+                finish_reason="stop" if last else None,
+                verify_mode="dflash",
+                block_size=None if n == 1 else 4,
+            )
 
     monkeypatch.setattr(scheduler, "relayed_cycles", generation)
     yield prompts
@@ -300,8 +324,11 @@ def test_a_streamed_tool_call(tool_server, tool_tokenizer, monkeypatch):
     """As above, streamed: the call comes whole in one delta.tool_calls (index 0), after the text before it."""
     app, port = tool_server
     with emitting(monkeypatch, tool_tokenizer, f"w7 w8 {CALL}"):
-        chunks = list(client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS,
-                                                           tool_choice="auto", stream=True))
+        chunks = list(
+            client(port).chat.completions.create(
+                model="default_model", messages=ASK, tools=TOOLS, tool_choice="auto", stream=True
+            )
+        )
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
     assert content.strip() == "w7 w8" and len(calls) == 1
@@ -313,8 +340,9 @@ def test_a_streamed_tool_call(tool_server, tool_tokenizer, monkeypatch):
 def test_tool_choice_none_renders_no_tools_and_parses_nothing(tool_server, tool_tokenizer, monkeypatch):
     app, port = tool_server
     with emitting(monkeypatch, tool_tokenizer, CALL) as prompts:
-        reply = client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS,
-                                                     tool_choice="none")
+        reply = client(port).chat.completions.create(
+            model="default_model", messages=ASK, tools=TOOLS, tool_choice="none"
+        )
     assert prompts == [tool_tokenizer.apply_chat_template(ASK, add_generation_prompt=True)]
     assert reply.choices[0].message.content == CALL and not reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "stop"
@@ -324,16 +352,28 @@ def test_the_next_turn_carries_the_call_and_its_result(tool_server, tool_tokeniz
     """The assistant's call (arguments as OpenAI sends them, a JSON string) and the tool's result go through the
     template: the prompt is the template's rendering of them, arguments decoded as mlx_lm.server decodes them."""
     app, port = tool_server
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
-    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "w9"}]
-    decoded = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "w9"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "w9"},
+    ]
+    decoded = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "w9"},
+    ]
     want = tool_tokenizer.apply_chat_template(decoded, add_generation_prompt=True, tools=TOOLS)
     call_ids = tool_tokenizer.encode(CALL, add_special_tokens=False)
-    assert any(want[i:i + len(call_ids)] == call_ids for i in range(len(want)))  # the call, rendered as it came
+    assert any(want[i : i + len(call_ids)] == call_ids for i in range(len(want)))  # the call, rendered as it came
     with emitting(monkeypatch, tool_tokenizer, "w10 w11") as prompts:
         reply = client(port).chat.completions.create(model="default_model", messages=turn, tools=TOOLS)
     assert prompts == [want]
@@ -341,14 +381,27 @@ def test_the_next_turn_carries_the_call_and_its_result(tool_server, tool_tokeniz
     assert not reply.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "'tool_choice' must be \"auto\" or \"none\""),
-    ({"tools": [{"type": "function"}]}, "tools[0] must be {'type': 'function'"),
-    ({"tools": "get_weather"}, "'tools' must be a list"),
-    ({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]},
-     "the arguments of the call to 'get_weather' are not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"tools": TOOLS, "tool_choice": "required"}, '\'tool_choice\' must be "auto" or "none"'),
+        ({"tools": [{"type": "function"}]}, "tools[0] must be {'type': 'function'"),
+        ({"tools": "get_weather"}, "'tools' must be a list"),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": "{city"}}],
+                    },
+                ]
+            },
+            "the arguments of the call to 'get_weather' are not valid JSON",
+        ),
+    ],
+)
 def test_bad_tool_requests_get_a_400(tool_server, body, fragment):
     app, port = tool_server
     status, _, reply = request(port, "POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, **body})
@@ -373,23 +426,38 @@ def interleaved(port: int, app) -> dict:
     api, out = client(port), {}
     a1, b1, c1 = user("w20 w21 w22 w23 w24"), user("w30 w31 w32 w33"), "w40 w41 w42 w43 w44 w45"
     ra = api.chat.completions.create(model="default_model", messages=a1, max_tokens=8).choices[0].message.content
-    rb = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
-        model="default_model", messages=b1, max_tokens=8, stream=True) if c.choices)
+    rb = "".join(
+        c.choices[0].delta.content or ""
+        for c in api.chat.completions.create(model="default_model", messages=b1, max_tokens=8, stream=True)
+        if c.choices
+    )
     rc = api.completions.create(model="default_model", prompt=c1, max_tokens=8).choices[0].text
     a2 = [*a1, {"role": "assistant", "content": ra}, *user("w25 w26")]
     reply = api.chat.completions.create(model="default_model", messages=a2, max_tokens=8)
-    out["A"] = (reply.usage.prompt_tokens_details.cached_tokens, chat_ids(app, a1),
-                reply.choices[0].message.content == expected(app, chat_ids(app, a2), 8).text)
+    out["A"] = (
+        reply.usage.prompt_tokens_details.cached_tokens,
+        chat_ids(app, a1),
+        reply.choices[0].message.content == expected(app, chat_ids(app, a2), 8).text,
+    )
     b2 = [*b1, {"role": "assistant", "content": rb}, *user("w34")]
-    chunks = list(api.chat.completions.create(model="default_model", messages=b2, max_tokens=8, stream=True,
-                                              stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model="default_model", messages=b2, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    out["B"] = (chunks[-1].usage.prompt_tokens_details.cached_tokens, chat_ids(app, b1),
-                text == expected(app, chat_ids(app, b2), 8).text)
+    out["B"] = (
+        chunks[-1].usage.prompt_tokens_details.cached_tokens,
+        chat_ids(app, b1),
+        text == expected(app, chat_ids(app, b2), 8).text,
+    )
     c2 = f"{c1} {rc} w46 w47"
     reply = api.completions.create(model="default_model", prompt=c2, max_tokens=8)
-    out["C"] = (reply.usage.prompt_tokens_details.cached_tokens, app.tokenizer.encode(c1),
-                reply.choices[0].text == expected(app, c2, 8).text)
+    out["C"] = (
+        reply.usage.prompt_tokens_details.cached_tokens,
+        app.tokenizer.encode(c1),
+        reply.choices[0].text == expected(app, c2, 8).text,
+    )
     return out
 
 
@@ -461,8 +529,18 @@ def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = No
     of the same prompts, the response ids, /health). `extra`: mlx_lm.server's logits-processor fields, sent by
     every client and applied to the single-request outputs by mlx-lm's `make_logits_processors`."""
     processors = make_logits_processors(**extra) if extra else None
-    wants = [generate(app.worker.model, app.tokenizer, chat_ids(app, p), None, verify_mode="off",
-                      max_tokens=max_tokens, logits_processors=processors) for p in PROMPTS]
+    wants = [
+        generate(
+            app.worker.model,
+            app.tokenizer,
+            chat_ids(app, p),
+            None,
+            verify_mode="off",
+            max_tokens=max_tokens,
+            logits_processors=processors,
+        )
+        for p in PROMPTS
+    ]
     results, ids = [None] * 8, [None] * 8
     api = client(port)
 
@@ -485,8 +563,12 @@ def eight_clients(app, port, monkeypatch, max_tokens=24, extra: dict | None = No
             ids[i] = chunks[0].id
         else:
             reply = api.chat.completions.create(**kw)
-            results[i] = (reply.choices[0].message.content, reply.usage.completion_tokens,
-                          reply.choices[0].finish_reason, reply.model_extra["dflash"]["batch_size"])
+            results[i] = (
+                reply.choices[0].message.content,
+                reply.usage.completion_tokens,
+                reply.choices[0].finish_reason,
+                reply.model_extra["dflash"]["batch_size"],
+            )
             ids[i] = reply.id
 
     with held_first(monkeypatch) as (gate, holding):
@@ -564,8 +646,9 @@ def test_a_request_stopped_in_the_batch_leaves_it_alone(tiny_pair, tiny_dflash2,
     assert results[victim][0] == "error"
     if how == "timeout":
         assert results[victim][1].startswith("504") and "ran past its timeout" in results[victim][1]
-    assert [r[:3] for i, r in enumerate(results) if i != victim] == \
-        [(w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != victim]
+    assert [r[:3] for i, r in enumerate(results) if i != victim] == [
+        (w.text, len(w.tokens), w.finish_reason) for i, w in enumerate(wants) if i != victim
+    ]
     assert health["active"] == 0
 
 
@@ -589,17 +672,30 @@ def test_a_request_left_alone_in_the_batch_goes_on_speculatively(tiny_pair, tiny
         monkeypatch.setattr(scheduler.Worker, "_continued", continued)
 
         def long_client():
-            chunks = list(api.chat.completions.create(model="default_model", messages=long_prompt, max_tokens=48,
-                                                      stream=True, stream_options={"include_usage": True}))
-            got["long"] = ("".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-                           chunks[-1].usage.completion_tokens, chunks[-1].model_extra["dflash"])
+            chunks = list(
+                api.chat.completions.create(
+                    model="default_model",
+                    messages=long_prompt,
+                    max_tokens=48,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            got["long"] = (
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                chunks[-1].usage.completion_tokens,
+                chunks[-1].model_extra["dflash"],
+            )
 
         with held_first(monkeypatch) as (gate, holding):
             first = threading.Thread(target=long_client)
             first.start()
             assert holding.wait(TIMEOUT)
-            second = threading.Thread(target=lambda: got.update(short=api.chat.completions.create(
-                model="default_model", messages=short_prompt, max_tokens=4)))
+            second = threading.Thread(
+                target=lambda: got.update(
+                    short=api.chat.completions.create(model="default_model", messages=short_prompt, max_tokens=4)
+                )
+            )
             second.start()
             wait_for(lambda: app.worker.jobs.qsize() == 1, "the short request to queue")
             gate.set()
@@ -672,14 +768,21 @@ def test_a_request_sent_as_the_batch_empties_joins_it(tokenizer, monkeypatch):
     finally:
         assert worker.stop()
     assert submitted == [True]
-    assert out == [generate(model, tokenizer, p, None, verify_mode="off", max_tokens=n, eos_token_ids=[]).tokens
-                   for p, n in zip(prompts, lengths)]
+    assert out == [
+        generate(model, tokenizer, p, None, verify_mode="off", max_tokens=n, eos_token_ids=[]).tokens
+        for p, n in zip(prompts, lengths)
+    ]
     assert resumed == []  # the long one never went back to the speculative path
     assert jobs[2].batch_size == 2 and jobs[0].batch_size == 2  # the third decoded together with the long one
 
 
-def worker_answers(worker, prompts: list[list[int]], kw: dict, monkeypatch, records: list | None = None,
-                   ) -> list[tuple[list[int], int]]:
+def worker_answers(
+    worker,
+    prompts: list[list[int]],
+    kw: dict,
+    monkeypatch,
+    records: list | None = None,
+) -> list[tuple[list[int], int]]:
     """The tokens and cached prompt tokens of each prompt, sent to `worker` (no HTTP) while its first generation
     is held after one record, so that all of them are active at once. `records`: gets each prompt's records."""
     jobs = [scheduler.Job(p, dict(kw), time.monotonic() + TIMEOUT) for p in prompts]
@@ -711,8 +814,7 @@ def test_batched_requests_get_the_logprobs_mlx_lm_computes(tokenizer, monkeypatc
 
     model = make_target("qwen3", seed=3)
     worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
-    kw = {"max_tokens": 12, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": [],
-          "logprobs": 3}
+    kw = {"max_tokens": 12, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": [], "logprobs": 3}
     prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(3)]
     records: list = []
     try:
@@ -742,8 +844,17 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
     model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
     worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
     kw = {"max_tokens": 20, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
-    alone = lambda p: generate(model, tokenizer, p, None, verify_mode="off", max_tokens=20,  # noqa: E731
-                               eos_token_ids=[]).tokens
+    alone = lambda p: (
+        generate(
+            model,
+            tokenizer,
+            p,
+            None,
+            verify_mode="off",
+            max_tokens=20,  # noqa: E731
+            eos_token_ids=[],
+        ).tokens
+    )
     try:
         prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(4)]
         first = worker_answers(worker, prompts, kw, monkeypatch)
@@ -770,8 +881,11 @@ def test_a_seeded_request_runs_alone_and_draws_as_alone(tiny_pair, tiny_dflash2,
         seeded = {"model": "default_model", "messages": PROMPTS[2], "max_tokens": 16, "temperature": 0.9, "seed": 7}
         got = {}
         with held_first(monkeypatch) as (gate, holding):
-            first = threading.Thread(target=lambda: got.update(first=api.chat.completions.create(
-                model="default_model", messages=PROMPTS[0], max_tokens=16)))
+            first = threading.Thread(
+                target=lambda: got.update(
+                    first=api.chat.completions.create(model="default_model", messages=PROMPTS[0], max_tokens=16)
+                )
+            )
             first.start()
             assert holding.wait(TIMEOUT)
             second = threading.Thread(target=lambda: got.update(seeded=api.chat.completions.create(**seeded)))

@@ -19,8 +19,11 @@ from mlx_lm import load as mlx_lm_load
 MAX = 12
 SYSTEM = "w5 w6"
 ASK = "w1 w2 w3"
-TOOL = {"name": WEATHER_TOOL["name"], "description": WEATHER_TOOL["description"],
-        "input_schema": WEATHER_TOOL["parameters"]}
+TOOL = {
+    "name": WEATHER_TOOL["name"],
+    "description": WEATHER_TOOL["description"],
+    "input_schema": WEATHER_TOOL["parameters"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,9 @@ def text_of(message) -> str:
 
 def test_text_at_t0_is_the_chat_endpoints_and_mlx_lms(plain_server, tiny_pair):
     app, port = plain_server
-    reply = claude(port).messages.create(model="default_model", max_tokens=MAX, system=SYSTEM,
-                                         messages=[{"role": "user", "content": ASK}])
+    reply = claude(port).messages.create(
+        model="default_model", max_tokens=MAX, system=SYSTEM, messages=[{"role": "user", "content": ASK}]
+    )
     messages = [{"role": "system", "content": SYSTEM}, *user(ASK)]
     want = chat(port, messages, max_tokens=MAX)
     model, tok = mlx_lm_load(str(tiny_pair[0]))
@@ -62,14 +66,19 @@ def test_text_at_t0_is_the_chat_endpoints_and_mlx_lms(plain_server, tiny_pair):
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (len(prompt), want.usage.completion_tokens)
     assert reply.role == "assistant" and reply.type == "message" and reply.id.startswith("msg_")
     # system as text blocks, content as text blocks: the same conversation
-    blocks = claude(port).messages.create(model="default_model", max_tokens=MAX,
-                                          system=[{"type": "text", "text": SYSTEM}],
-                                          messages=[{"role": "user", "content": [{"type": "text", "text": ASK}]}])
+    blocks = claude(port).messages.create(
+        model="default_model",
+        max_tokens=MAX,
+        system=[{"type": "text", "text": SYSTEM}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": ASK}]}],
+    )
     assert text_of(blocks) == text_of(reply)
 
 
-EVENT_ORDER = re.compile(r"message_start (content_block_start (content_block_delta )*content_block_stop )*"
-                         r"message_delta message_stop ")
+EVENT_ORDER = re.compile(
+    r"message_start (content_block_start (content_block_delta )*content_block_stop )*"
+    r"message_delta message_stop "
+)
 
 
 def test_streamed_events_come_in_anthropics_order_and_add_up(plain_server):
@@ -93,7 +102,7 @@ def test_a_stop_sequence_cuts_the_text_and_is_named(plain_server):
     full = text_of(claude(port).messages.create(**kw))
     stop = full.split()[3]
     reply = claude(port).messages.create(stop_sequences=[stop, "w239 w238"], **kw)
-    assert text_of(reply) == full[:full.index(stop)] and stop not in text_of(reply)
+    assert text_of(reply) == full[: full.index(stop)] and stop not in text_of(reply)
     assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
     events = list(claude(port).messages.create(stop_sequences=[stop], stream=True, **kw))
     assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", stop)
@@ -111,36 +120,63 @@ def test_tool_use_and_its_result_round_trip(thinking_server, monkeypatch):
     assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["text", "tool_use"]
     use = reply.content[1]
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"}) and use.id
-    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
-                      and e.delta.type == "input_json_delta")
+    partial = "".join(
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
     assert json.loads(partial) == {"city": "Paris"} and events[-2].delta.stop_reason == "tool_use"
-    turn = [{"role": "user", "content": ASK}, {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "w9"}]}]
-    openai_turn = [*user(ASK), {"role": "assistant", "content": reply.content[0].text, "tool_calls": [
-        {"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
-        {"role": "tool", "tool_call_id": use.id, "name": "get_weather", "content": "w9"}]
+    turn = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [b.model_dump() for b in reply.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "w9"}]},
+    ]
+    openai_turn = [
+        *user(ASK),
+        {
+            "role": "assistant",
+            "content": reply.content[0].text,
+            "tool_calls": [
+                {
+                    "id": use.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(use.input)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": use.id, "name": "get_weather", "content": "w9"},
+    ]
     with emitting(monkeypatch, app.tokenizer, "w10 w11") as prompts:
         after = claude(port).messages.create(messages=turn, **kw)
-        chat(port, openai_turn, tools=[{"type": "function", "function": WEATHER_TOOL}],
-             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        chat(
+            port,
+            openai_turn,
+            tools=[{"type": "function", "function": WEATHER_TOOL}],
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
     assert prompts[0] == prompts[1] and "</tool_call> <|user|> w9" in app.tokenizer.decode(prompts[0])
     assert text_of(after) == "w10 w11" and after.stop_reason == "end_turn"
 
 
 def test_a_thinking_models_reasoning_comes_in_thinking_blocks(thinking_server, monkeypatch):
     app, port = thinking_server
-    kw = dict(model="default_model", max_tokens=32, messages=[{"role": "user", "content": ASK}],
-              thinking={"type": "enabled", "budget_tokens": 1024})
+    kw = dict(
+        model="default_model",
+        max_tokens=32,
+        messages=[{"role": "user", "content": ASK}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     with emitting(monkeypatch, app.tokenizer, "w1 w2 </think> w3 w4") as prompts:
         reply = claude(port).messages.create(**kw)
         events = list(claude(port).messages.create(stream=True, **kw))
         claude(port).messages.create(**{**kw, "thinking": {"type": "disabled"}})
-    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == \
-        [("thinking", "w1 w2 "), ("text", " w3 w4")]
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
+        ("thinking", "w1 w2 "),
+        ("text", " w3 w4"),
+    ]
     starts = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
     assert starts == [(0, "thinking"), (1, "text")]
-    thought = "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
-                      and e.delta.type == "thinking_delta")
+    thought = "".join(
+        e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
     assert thought == "w1 w2 " and EVENT_ORDER.fullmatch(" ".join(e.type for e in events) + " ")
     tok = app.tokenizer
     assert prompts[2] == tok.apply_chat_template(user(ASK), add_generation_prompt=True, enable_thinking=False)
@@ -149,25 +185,30 @@ def test_a_thinking_models_reasoning_comes_in_thinking_blocks(thinking_server, m
 
 def test_count_tokens_is_the_templates_length(plain_server):
     app, port = plain_server
-    counted = claude(port).messages.count_tokens(model="default_model", system=SYSTEM,
-                                                 messages=[{"role": "user", "content": ASK}])
-    want = app.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, *user(ASK)],
-                                             add_generation_prompt=True)
+    counted = claude(port).messages.count_tokens(
+        model="default_model", system=SYSTEM, messages=[{"role": "user", "content": ASK}]
+    )
+    want = app.tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, *user(ASK)], add_generation_prompt=True
+    )
     assert counted.input_tokens == len(want)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": None}, "max_tokens"),
-    ({"container": "c1"}, "container"),
-    ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
-    ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "tool_choice"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "w4"}]}, "messages"),
-    ({"stop_sequences": "w4"}, "stop_sequences"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
-    ({"temperature": -1}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"container": "c1"}, "container"),
+        ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "tool_choice"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "w4"}]}, "messages"),
+        ({"stop_sequences": "w4"}, "stop_sequences"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
 def test_what_cannot_be_honoured_gets_a_400_in_anthropics_shape(plain_server, body, param):
     app, port = plain_server
     full = {"model": "default_model", "max_tokens": 4, "messages": [{"role": "user", "content": ASK}], **body}

@@ -13,8 +13,20 @@ import mlx.core as mx
 import mlx_lm.server
 import pytest
 from helpers import (
-    CONTEXT, COSTS, GOOD, SiblingOracle, chat_ids, drafter_config, expected, make_oracle, make_target, prompts,
-    request, running, serving_thread, user,
+    CONTEXT,
+    COSTS,
+    GOOD,
+    SiblingOracle,
+    chat_ids,
+    drafter_config,
+    expected,
+    make_oracle,
+    make_target,
+    prompts,
+    request,
+    running,
+    serving_thread,
+    user,
 )
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
@@ -31,11 +43,36 @@ from dflash2_mlx.server.protocol import IGNORED_FIELDS, REFUSED_FIELDS
 # the request fields mlx_lm.server 0.32.2 reads (`self.body.get(...)`, `body.get(...)`, `body[...]`), read off its
 # source by hand; `test_the_list_is_the_installed_mlx_lm_servers` checks it against the installed file
 MLX_LM_FIELDS = {
-    "stream", "stream_options", "model", "draft_model", "num_draft_tokens", "adapters", "max_completion_tokens",
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size", "xtc_probability",
-    "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed", "chat_template_kwargs", "stop", "messages",
-    "tools", "role_mapping", "prompt",
+    "stream",
+    "stream_options",
+    "model",
+    "draft_model",
+    "num_draft_tokens",
+    "adapters",
+    "max_completion_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "chat_template_kwargs",
+    "stop",
+    "messages",
+    "tools",
+    "role_mapping",
+    "prompt",
 }
 
 # honoured: (endpoint, a value the server acts on, a value of the wrong type or range: 400 naming the field)
@@ -68,8 +105,11 @@ HONOURED = {
     "prompt": ("text", "w1 w2", ""),
 }
 # refused: a value this server cannot act on (400 naming the field), and the value saying what it does anyway
-REFUSED = {"draft_model": ("other/drafter", "default_model"), "num_draft_tokens": (1, 3),
-           "adapters": ("my-adapter", None)}
+REFUSED = {
+    "draft_model": ("other/drafter", "default_model"),
+    "num_draft_tokens": (1, 3),
+    "adapters": ("my-adapter", None),
+}
 IGNORED = {"role_mapping": {"system_prompt": "Be brief.", "user": "USER: "}}  # mlx_lm.server: templateless only
 
 
@@ -81,7 +121,8 @@ def mlx_lm_server_fields() -> set[str]:
 def test_the_list_is_the_installed_mlx_lm_servers():
     assert mlx_lm_server_fields() == MLX_LM_FIELDS, (
         f"mlx_lm.server reads {sorted(mlx_lm_server_fields() - MLX_LM_FIELDS)} (new) and no longer "
-        f"{sorted(MLX_LM_FIELDS - mlx_lm_server_fields())}: give each its fate here and in docs/server.md")
+        f"{sorted(MLX_LM_FIELDS - mlx_lm_server_fields())}: give each its fate here and in docs/server.md"
+    )
 
 
 def test_every_field_has_one_fate():
@@ -136,8 +177,9 @@ def test_an_ignored_field_changes_nothing(served):
     app, port = served
     want = expected(app, chat_ids(app, user("w3 w4")), 6).text
     for field, value in IGNORED.items():
-        status, _, body = request(port, "POST", "/v1/chat/completions",
-                                  {"messages": user("w3 w4"), "max_tokens": 6, field: value})
+        status, _, body = request(
+            port, "POST", "/v1/chat/completions", {"messages": user("w3 w4"), "max_tokens": 6, field: value}
+        )
         assert status == 200 and body["choices"][0]["message"]["content"] == want, body
 
 
@@ -148,9 +190,14 @@ MAX_TOKENS = 40
 
 @contextmanager
 def serving(model, tokenizer, drafter, **defaults):
-    app, server = build_server(model, tokenizer, drafter, model_id="tiny",
-                               defaults=GenerationArguments(eos_token_ids=[], **defaults),
-                               settings=ServeSettings(port=0, context_length=CONTEXT))
+    app, server = build_server(
+        model,
+        tokenizer,
+        drafter,
+        model_id="tiny",
+        defaults=GenerationArguments(eos_token_ids=[], **defaults),
+        settings=ServeSettings(port=0, context_length=CONTEXT),
+    )
     with serving_thread(app, server) as port:
         yield app, port
 
@@ -173,12 +220,21 @@ def test_penalties_give_mlx_lms_output_at_t0(mode, field, tokenizer, no_eos, mon
     value, size = (1.5, 12) if field == "presence_penalty" else (0.7, 16)
     context = field.replace("penalty", "context_size")
     procs = make_logits_processors(**{field: value, context: size})
-    want = [r.token for r in mlx_lm_stream_generate(model, no_eos, prompt, max_tokens=MAX_TOKENS,
-                                                    logits_processors=procs)]
+    want = [
+        r.token for r in mlx_lm_stream_generate(model, no_eos, prompt, max_tokens=MAX_TOKENS, logits_processors=procs)
+    ]
     unprocessed = [r.token for r in mlx_lm_stream_generate(model, no_eos, prompt, max_tokens=MAX_TOKENS)]
     assert want != unprocessed, "the penalty changes nothing: a weak test"
-    ours = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=MAX_TOKENS, eos_token_ids=[],
-                    logits_processors=procs)
+    ours = generate(
+        model,
+        tokenizer,
+        prompt,
+        None,
+        verify_mode="off",
+        max_tokens=MAX_TOKENS,
+        eos_token_ids=[],
+        logits_processors=procs,
+    )
     assert ours.tokens == want  # the text the server must answer is the text of mlx-lm's tokens
     if mode == "ddtree":
         drafter = SiblingOracle(drafter_config(model, block_size=8), model, prompt, 16, None, None, procs)
@@ -187,8 +243,9 @@ def test_penalties_give_mlx_lms_output_at_t0(mode, field, tokenizer, no_eos, mon
     else:
         drafter, defaults = make_oracle(model, prompt, 8, spoil_seed=3, processors=procs), {}
     with serving(model, tokenizer, drafter, verify_mode=mode, block_size=8, **defaults) as (app, port):
-        status, _, body = request(port, "POST", "/v1/completions",
-                                  {"prompt": prompt, "max_tokens": MAX_TOKENS, field: value, context: size})
+        status, _, body = request(
+            port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, field: value, context: size}
+        )
     assert status == 200, body
     assert body["choices"][0]["text"] == ours.text
     assert body["dflash"]["verify_mode"] == mode and body["dflash"]["accepted"] > 0, body["dflash"]
@@ -203,8 +260,12 @@ def test_frequency_penalty_changes_the_answer_as_mlx_lm_server_would(served, tin
     procs = make_logits_processors(frequency_penalty=1.5, frequency_context_size=20)
     want = mlx_lm_generate(model, tok, ids, max_tokens=16, logits_processors=procs)
     assert want != mlx_lm_generate(model, tok, ids, max_tokens=16), "a weak test"
-    status, _, body = request(port, "POST", "/v1/chat/completions",
-                              {"messages": user("w3 w14 w15"), "max_tokens": 16, "frequency_penalty": 1.5})
+    status, _, body = request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": user("w3 w14 w15"), "max_tokens": 16, "frequency_penalty": 1.5},
+    )
     assert status == 200 and body["choices"][0]["message"]["content"] == want, body
 
 
@@ -227,8 +288,9 @@ def test_xtc_is_mlx_lms_sampler(served, tiny_pair):
 
     want = mlx_lm_text(**xtc)
     assert want != mlx_lm_text(), "XTC changes nothing here: a weak test"
-    status, _, body = request(port, "POST", "/v1/completions",
-                              {"prompt": ids, "max_tokens": 12, "temperature": 1.0, "seed": 7, **xtc})
+    status, _, body = request(
+        port, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 1.0, "seed": 7, **xtc}
+    )
     assert status == 200 and body["choices"][0]["text"] == want, body
     assert body["dflash"]["verify_mode"] == "off"
     status, _, body = request(port, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 12, **xtc})
@@ -238,9 +300,11 @@ def test_xtc_is_mlx_lms_sampler(served, tiny_pair):
 
 # -- chat_template_kwargs --------------------------------------------------------------------------------------
 
-THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-                     "{% if brief %}w7 w7 {% endif %}")  # mlx-lm's wrapper sets enable_thinking itself
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    "{% if brief %}w7 w7 {% endif %}"
+)  # mlx-lm's wrapper sets enable_thinking itself
 
 
 @pytest.mark.parametrize("flag", [None, '{"brief": true}'])
@@ -254,14 +318,25 @@ def test_chat_template_kwargs_reach_the_template(tiny_pair, tiny_dflash2, flag):
         plain = app.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         brief = app.tokenizer.apply_chat_template(messages, add_generation_prompt=True, brief=True)
         assert brief != plain
-        for kwargs, ids in (({"brief": True}, brief), ({"brief": False}, plain),
-                            (None, plain if flag is None else brief)):
-            status, _, body = request(port, "POST", "/v1/chat/completions",
-                                      {"messages": messages, "max_tokens": 8, "chat_template_kwargs": kwargs})
+        for kwargs, ids in (
+            ({"brief": True}, brief),
+            ({"brief": False}, plain),
+            (None, plain if flag is None else brief),
+        ):
+            status, _, body = request(
+                port,
+                "POST",
+                "/v1/chat/completions",
+                {"messages": messages, "max_tokens": 8, "chat_template_kwargs": kwargs},
+            )
             assert status == 200, body
             assert body["usage"]["prompt_tokens"] == len(ids)
             assert body["choices"][0]["message"]["content"] == expected(app, ids, 8).text
-        status, _, body = request(port, "POST", "/v1/chat/completions",
-                                  {"messages": messages, "chat_template_kwargs": {"tokenize": False}})
-        assert status == 400 and body["error"]["param"] == "chat_template_kwargs" and "tokenize" in \
-            body["error"]["message"], body
+        status, _, body = request(
+            port, "POST", "/v1/chat/completions", {"messages": messages, "chat_template_kwargs": {"tokenize": False}}
+        )
+        assert (
+            status == 400
+            and body["error"]["param"] == "chat_template_kwargs"
+            and "tokenize" in body["error"]["message"]
+        ), body

@@ -79,8 +79,11 @@ ORIGIN = "http://localhost:3000"
 
 
 def test_cors_headers_go_to_allowed_origins_only(tiny_pair, tiny_dflash2):
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     with running(tiny_pair[0], tiny_dflash2) as (_, port):  # none by default
         status, got, _ = call(port, "GET", "/v1/models", headers={"Origin": ORIGIN})
         assert status == 200 and "access-control-allow-origin" not in got
@@ -91,8 +94,9 @@ def test_cors_headers_go_to_allowed_origins_only(tiny_pair, tiny_dflash2):
         assert status == 204 and got["access-control-allow-origin"] == ORIGIN
         assert "POST" in got["access-control-allow-methods"]
         assert {"authorization", "content-type"} <= set(got["access-control-allow-headers"].lower().split(", "))
-        status, got, _ = call(port, "POST", "/v1/chat/completions", {"messages": GOOD, "max_tokens": 2},
-                              {"Origin": ORIGIN})
+        status, got, _ = call(
+            port, "POST", "/v1/chat/completions", {"messages": GOOD, "max_tokens": 2}, {"Origin": ORIGIN}
+        )
         assert status == 200 and got["access-control-allow-origin"] == ORIGIN and got["vary"] == "Origin"
         assert "x-dflash-tau" in got["access-control-expose-headers"].lower()
         for other in ("http://evil.example", "http://localhost:3001"):
@@ -103,22 +107,29 @@ def test_cors_headers_go_to_allowed_origins_only(tiny_pair, tiny_dflash2):
         assert call(port, "GET", "/v1/models", headers={"Origin": ORIGIN})[1]["access-control-allow-origin"] == "*"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--allowed-origins", "localhost:3000"], "scheme://host"),
-    (["--chat-template-args", "{bad"], "not JSON"),
-    (["--chat-template-args", "[1]"], "not a JSON object"),
-    (["--max-body-bytes", "lots"], "is not a size"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--allowed-origins", "localhost:3000"], "scheme://host"),
+        (["--chat-template-args", "{bad"], "not JSON"),
+        (["--chat-template-args", "[1]"], "not a JSON object"),
+        (["--max-body-bytes", "lots"], "is not a size"),
+    ],
+)
 def test_bad_flags_say_what_to_give(flags, message, capsys):
     with pytest.raises(SystemExit):
         make_parser().parse_args(["serve", *flags])
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(read_timeout=0), "--read-timeout must be > 0"), (dict(max_body_bytes=0), "--max-body-bytes must be"),
-    (dict(api_key=" "), "--api-key is empty"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(read_timeout=0), "--read-timeout must be > 0"),
+        (dict(max_body_bytes=0), "--max-body-bytes must be"),
+        (dict(api_key=" "), "--api-key is empty"),
+    ],
+)
 def test_bad_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         ServeSettings(**settings)
@@ -143,7 +154,7 @@ def half_sent(port: int, i: int) -> socket.socket:
     if i % 2:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
     else:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"messa")
+        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"messa')
     return sock
 
 
@@ -230,8 +241,9 @@ def test_metrics_count_what_the_answers_say(tiny_pair, tiny_dflash2):
         assert before["dflash2_requests_finished_total"] == 0 and before["dflash2_queue_length"] == 0
         answers = []
         for _ in range(2):  # the second starts from the first's cached prompt
-            status, _, body = request(port, "POST", "/v1/chat/completions",
-                                      {"messages": user("w3 w14 w15 w92"), "max_tokens": 12})
+            status, _, body = request(
+                port, "POST", "/v1/chat/completions", {"messages": user("w3 w14 w15 w92"), "max_tokens": 12}
+            )
             assert status == 200, body
             answers.append(body)
         assert request(port, "POST", "/v1/chat/completions", {"messages": "x"})[0] == 400

@@ -43,7 +43,7 @@ def split(text: str, reasoning: bool) -> tuple[str, str]:
             parts[state] += rest
             break
         parts[state] += rest[:at]
-        rest, state = rest[at + len(marker):], not state
+        rest, state = rest[at + len(marker) :], not state
     return parts[True], parts[False]
 
 
@@ -66,14 +66,16 @@ def test_the_real_models_reasoning_is_split_as_mlx_lm_renders_it(thinking_server
     want_reasoning, want_content = split(mlx_lm_generate(model, tok, prompt, max_tokens=12), thinks)
     assert want_reasoning if thinks else want_content, "a weak test: nothing to split"
     extra = {"chat_template_kwargs": kwargs} if kwargs else {}
-    reply = client(port).chat.completions.create(model="default_model", messages=ASK, max_tokens=12,
-                                                 extra_body=extra)
+    reply = client(port).chat.completions.create(model="default_model", messages=ASK, max_tokens=12, extra_body=extra)
     message = reply.choices[0].message
     assert reply.usage.prompt_tokens == len(prompt)
     assert (getattr(message, "reasoning_content", None) or "", message.content) == (want_reasoning, want_content)
     assert getattr(message, "reasoning", None) == (want_reasoning or None)  # mlx_lm.server's name for it
-    chunks = list(client(port).chat.completions.create(model="default_model", messages=ASK, max_tokens=12,
-                                                       stream=True, extra_body=extra))
+    chunks = list(
+        client(port).chat.completions.create(
+            model="default_model", messages=ASK, max_tokens=12, stream=True, extra_body=extra
+        )
+    )
     reasoning, content, finishes = streamed(chunks)
     assert (reasoning, content) == (want_reasoning, want_content)
     assert finishes[-1] == reply.choices[0].finish_reason
@@ -89,8 +91,11 @@ def test_fixed_reasoning_then_answer_streams_as_separate_deltas(thinking_server,
     message = reply.choices[0].message
     assert (message.reasoning_content, message.content) == ("w1 w2 ", " w3 w4")
     assert streamed(chunks)[:2] == ("w1 w2 ", " w3 w4")
-    kinds = [("r" if getattr(c.choices[0].delta, "reasoning_content", None) else "") +
-             ("c" if c.choices[0].delta.content else "") for c in chunks]
+    kinds = [
+        ("r" if getattr(c.choices[0].delta, "reasoning_content", None) else "")
+        + ("c" if c.choices[0].delta.content else "")
+        for c in chunks
+    ]
     kinds = [k for k in kinds if k]
     assert kinds == sorted(kinds, reverse=True) and "rc" not in kinds and kinds[0] == "r" and kinds[-1] == "c", kinds
 
@@ -102,8 +107,9 @@ def test_a_tool_call_after_the_reasoning_is_parsed(thinking_server, monkeypatch,
     app, port = thinking_server
     with emitting(monkeypatch, app.tokenizer, text):
         reply = client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS)
-        chunks = list(client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS,
-                                                           stream=True))
+        chunks = list(
+            client(port).chat.completions.create(model="default_model", messages=ASK, tools=TOOLS, stream=True)
+        )
     message = reply.choices[0].message
     assert message.reasoning_content == "w1 " and (message.content or "") == content
     (call,) = message.tool_calls
@@ -115,12 +121,15 @@ def test_a_tool_call_after_the_reasoning_is_parsed(thinking_server, monkeypatch,
     assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}]
 
 
-@pytest.mark.parametrize("body, kwargs", [
-    ({"reasoning_effort": "none"}, {"enable_thinking": False, "reasoning_effort": "none"}),
-    ({"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
-    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, {"reasoning_effort": "none"}),
-])
+@pytest.mark.parametrize(
+    "body, kwargs",
+    [
+        ({"reasoning_effort": "none"}, {"enable_thinking": False, "reasoning_effort": "none"}),
+        ({"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+        ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, {"reasoning_effort": "none"}),
+    ],
+)
 def test_thinking_switches_reach_the_template(thinking_server, monkeypatch, body, kwargs):
     """reasoning_effort goes to the template as its variable ("none" also turns thinking off),
     chat_template_kwargs has the last word: the prompt is the template's rendering with those arguments."""

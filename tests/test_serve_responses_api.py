@@ -38,8 +38,7 @@ def client(port: int) -> openai.OpenAI:
 
 def test_text_at_t0_is_the_chat_endpoints_and_mlx_lms(plain_server, tiny_pair):
     app, port = plain_server
-    reply = client(port).responses.create(model="default_model", instructions="w5 w6", input=ASK,
-                                          max_output_tokens=MAX)
+    reply = client(port).responses.create(model="default_model", instructions="w5 w6", input=ASK, max_output_tokens=MAX)
     messages = [{"role": "system", "content": "w5 w6"}, *user(ASK)]
     want = client(port).chat.completions.create(model="default_model", messages=messages, max_tokens=MAX)
     model, tok = mlx_lm_load(str(tiny_pair[0]))
@@ -50,15 +49,27 @@ def test_text_at_t0_is_the_chat_endpoints_and_mlx_lms(plain_server, tiny_pair):
         assert reply.incomplete_details.reason == "max_output_tokens"
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (len(prompt), want.usage.completion_tokens)
     assert reply.id.startswith("resp_") and [item.type for item in reply.output] == ["message"]
-    items = client(port).responses.create(model="default_model", max_output_tokens=MAX, input=[
-        {"role": "developer", "content": "w5 w6"},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}])
+    items = client(port).responses.create(
+        model="default_model",
+        max_output_tokens=MAX,
+        input=[
+            {"role": "developer", "content": "w5 w6"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        ],
+    )
     assert items.output_text == reply.output_text  # developer is the template's system; text parts joined
 
 
-EVENTS = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-          "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-          "response.output_item.done"]
+EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
 
 
 def test_streamed_events_come_in_openais_order_and_add_up(plain_server):
@@ -68,8 +79,10 @@ def test_streamed_events_come_in_openais_order_and_add_up(plain_server):
     events = list(client(port).responses.create(stream=True, **kw))
     kinds = [e.type for e in events]
     deltas = kinds.count("response.output_text.delta")
-    assert deltas and [k for i, k in enumerate(kinds) if k != "response.output_text.delta" or
-                       kinds[i - 1] != k] == [*EVENTS, f"response.{whole.status}"], kinds
+    assert deltas and [k for i, k in enumerate(kinds) if k != "response.output_text.delta" or kinds[i - 1] != k] == [
+        *EVENTS,
+        f"response.{whole.status}",
+    ], kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-1].response.output_text
@@ -92,15 +105,30 @@ def test_a_function_call_and_its_output_round_trip(thinking_server, monkeypatch)
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
-    turn = [{"role": "user", "content": ASK}, *[item.model_dump(exclude_none=True) for item in reply.output],
-            {"type": "function_call_output", "call_id": call.call_id, "output": "w9"}]
-    chat_turn = [*user(ASK), {"role": "assistant", "content": reply.output[0].content[0].text, "tool_calls": [
-        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "w9"}]
+    turn = [
+        {"role": "user", "content": ASK},
+        *[item.model_dump(exclude_none=True) for item in reply.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "w9"},
+    ]
+    chat_turn = [
+        *user(ASK),
+        {
+            "role": "assistant",
+            "content": reply.output[0].content[0].text,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "name": "get_weather", "content": "w9"},
+    ]
     with emitting(monkeypatch, app.tokenizer, "w10 w11") as prompts:
         after = client(port).responses.create(input=turn, **kw)
-        client(port).chat.completions.create(model="default_model", messages=chat_turn, reasoning_effort="none",
-                                             tools=[{"type": "function", "function": WEATHER_TOOL}])
+        client(port).chat.completions.create(
+            model="default_model",
+            messages=chat_turn,
+            reasoning_effort="none",
+            tools=[{"type": "function", "function": WEATHER_TOOL}],
+        )
     assert prompts[0] == prompts[1] and "</tool_call> <|user|> w9" in app.tokenizer.decode(prompts[0])
     assert after.output_text == "w10 w11" and after.status == "completed"
 
@@ -118,17 +146,20 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(thinking_server, monkey
     assert thought == "w1 w2 " and added == [(0, "reasoning"), (1, "message")]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"background": True}, "background"),
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
 def test_what_cannot_be_honoured_gets_a_400_naming_it(plain_server, body, param):
     app, port = plain_server
     with pytest.raises(openai.BadRequestError) as caught:

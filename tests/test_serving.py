@@ -53,11 +53,19 @@ def want_shapes(cfg: dict) -> dict[str, tuple]:
     dc = cfg["dflash_config"]
     out = {"fc.weight": (d, d * len(dc["target_layer_ids"])), "hidden_norm.weight": (d,), "norm.weight": (d,)}
     for n in range(cfg["num_hidden_layers"]):
-        layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
-                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
-                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
-                 "mlp.gate_proj.weight": (i, d), "mlp.up_proj.weight": (i, d), "mlp.down_proj.weight": (d, i)}
+        layer = {
+            "input_layernorm.weight": (d,),
+            "post_attention_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (q, d),
+            "self_attn.k_proj.weight": (kv, d),
+            "self_attn.v_proj.weight": (kv, d),
+            "self_attn.o_proj.weight": (d, q),
+            "self_attn.q_norm.weight": (hd,),
+            "self_attn.k_norm.weight": (hd,),
+            "mlp.gate_proj.weight": (i, d),
+            "mlp.up_proj.weight": (i, d),
+            "mlp.down_proj.weight": (d, i),
+        }
         if "conv_kernel_size" in dc:
             for conv in ("attention_conv", "mlp_conv"):
                 layer[f"{conv}.base_kernel"] = (2, dc["conv_kernel_size"], d)
@@ -65,8 +73,13 @@ def want_shapes(cfg: dict) -> dict[str, tuple]:
         out.update({f"layers.{n}.{k}": v for k, v in layer.items()})
     if "selector_rank" in dc:
         r, v = dc["selector_rank"], cfg["vocab_size"]
-        out.update({"candidate_selector.hidden_projection.weight": (r, d),
-                    "candidate_selector.predecessor_codebook": (v, r), "candidate_selector.successor_codebook": (v, r)})
+        out.update(
+            {
+                "candidate_selector.hidden_projection.weight": (r, d),
+                "candidate_selector.predecessor_codebook": (v, r),
+                "candidate_selector.successor_codebook": (v, r),
+            }
+        )
     return out
 
 
@@ -75,9 +88,13 @@ def exported(tmp_path_factory, smollm2):
     """The bundled drafters exported for both engines (DFlash 2 with its target, v1 without one)."""
     model, _ = smollm2
     root = tmp_path_factory.mktemp("serving")
-    return {(kind, engine): export_for(str(default_drafter(kind)), root / f"{kind}-{engine}", engine,
-                                       model if kind == "dflash2" else None)
-            for kind in ("dflash2", "v1") for engine in ENGINES}
+    return {
+        (kind, engine): export_for(
+            str(default_drafter(kind)), root / f"{kind}-{engine}", engine, model if kind == "dflash2" else None
+        )
+        for kind in ("dflash2", "v1")
+        for engine in ENGINES
+    }
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -117,8 +134,9 @@ def test_the_expected_layout_is_the_published_checkpoints():
     checkpoint (its safetensors header: 5 layers, selector tables over its 202048-token vocabulary, no
     embedding or LM head); and its v1 part without conv and selector."""
     cfg = json.loads((FIXTURES / "dflash2-config.json").read_text())
-    published = {n: tuple(t["shape"]) for n, t in
-                 json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text()).items()}
+    published = {
+        n: tuple(t["shape"]) for n, t in json.loads((FIXTURES / "dflash2-safetensors-header.json").read_text()).items()
+    }
     assert want_shapes(cfg) == published == serving.expected_tensors(cfg)
     v1 = {**cfg, "dflash_config": {k: cfg["dflash_config"][k] for k in V1_FIELDS}}
     v1_names = {n: s for n, s in published.items() if "_conv." not in n and "candidate_selector" not in n}
@@ -163,8 +181,10 @@ def test_exported_weights_give_the_drafters_logits(exported, smollm2, kind):
         if vocab:
             want = want[:, ids]
         err = np.abs(got - want).max()
-        print(f"{kind} {'draft' if vocab else 'whole'} vocabulary: max |logit| {np.abs(want).max():.2f}, "
-              f"max abs error {err:.2e}")
+        print(
+            f"{kind} {'draft' if vocab else 'whole'} vocabulary: max |logit| {np.abs(want).max():.2f}, "
+            f"max abs error {err:.2e}"
+        )
         assert got.shape == want.shape and err < 1e-3
 
 
@@ -180,8 +200,10 @@ def test_expanded_selector_tables_are_the_factorised_codes(exported, smollm2):
         exact = embed @ source[f"candidate_selector.{side}_projection.weight"].T
         table = tensors[f"candidate_selector.{side}_codebook"]
         rel = np.abs(table - exact) / (np.abs(exact) + 1e-30)
-        print(f"{side}: max relative error {rel[np.abs(exact) > 1e-3].max():.2e} over entries above 1e-3 "
-              f"(bf16's rounding bound 2^-8 = {2**-8:.2e})")
+        print(
+            f"{side}: max relative error {rel[np.abs(exact) > 1e-3].max():.2e} over entries above 1e-3 "
+            f"(bf16's rounding bound 2^-8 = {2**-8:.2e})"
+        )
         assert np.all(np.abs(table - exact) <= 2**-8 * np.abs(exact) + 1e-6)
 
 
@@ -199,8 +221,12 @@ def test_reference_walk_over_the_export_drafts_what_the_drafter_drafts(exported,
         context, block = real_block(smollm2, drafter.config, anchor_at)
         hidden = draft_hidden(cfg_np, tensors, embed, block, context)[1:]
         want, _, _ = selector_walk(cfg_np, tensors, hidden, head_logits(cfg_np, hidden, embed), block[0])
-        got = drafter.propose(mx.array([block]), mx.array(context[None], mx.float32), drafter.make_cache(),
-                              SamplingParams(temperature=0.0))
+        got = drafter.propose(
+            mx.array([block]),
+            mx.array(context[None], mx.float32),
+            drafter.make_cache(),
+            SamplingParams(temperature=0.0),
+        )
         assert np.array(got.tokens).tolist() == want.tolist(), anchor_at
 
 
@@ -238,8 +264,12 @@ def test_muse_and_quantized_drafters_export(tmp_path):
     assert np.array_equal(back["fc.weight"], original["encoder.fc.weight"])
     assert np.array_equal(back["hidden_norm.weight"], original["encoder.output_norm_enc.weight"])
     assert serving.check_folder("vllm", out) == []
-    quantized = convert(str(synthetic_checkpoint(tmp_path / "hf", "dflash2")), tmp_path / "q8",
-                        quant=DraftQuant(8, 32, 32), min_quantized_size=0)
+    quantized = convert(
+        str(synthetic_checkpoint(tmp_path / "hf", "dflash2")),
+        tmp_path / "q8",
+        quant=DraftQuant(8, 32, 32),
+        min_quantized_size=0,
+    )
     out = export_for(str(quantized), tmp_path / "q8-out", "sglang")
     note = json.loads((out / "config.json").read_text())["dflash2_mlx_note"]
     assert "dequantized from a w8a32:gs32 MLX drafter" in note
@@ -253,8 +283,9 @@ def test_the_folder_check_finds_each_breach(tmp_path):
     path = out / "model.safetensors"
     weights = dict(mx.load(str(path)))
     cases = {
-        "missing tensor candidate_selector.successor_codebook":
-            lambda w: w.pop("candidate_selector.successor_codebook"),
+        "missing tensor candidate_selector.successor_codebook": lambda w: w.pop(
+            "candidate_selector.successor_codebook"
+        ),
         "unexpected tensor lm_head.weight": lambda w: w.update({"lm_head.weight": mx.zeros((256, 64), mx.bfloat16)}),
         "norm.weight is F32": lambda w: w.update({"norm.weight": w["norm.weight"].astype(mx.float32)}),
         "fc.weight has shape (64, 256)": lambda w: w.update({"fc.weight": mx.zeros((64, 256), mx.bfloat16)}),
@@ -283,33 +314,46 @@ def edit_config(folder, fn):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_anchor_sampling_drafters_are_refused(tmp_path, engine):
-    src = edit_config(synthetic_checkpoint(tmp_path / "hf", "dflash2"),
-                      lambda c: c["dflash_config"].update(sample_from_anchor=True))
-    with pytest.raises(ValueError, match=r"draft from block rows 1\.\.B-1 \(sample_from_anchor false\).*"
-                                         r"vllm/pull/54154 \(open\).*`dflash2 serve`"):
+    src = edit_config(
+        synthetic_checkpoint(tmp_path / "hf", "dflash2"), lambda c: c["dflash_config"].update(sample_from_anchor=True)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"draft from block rows 1\.\.B-1 \(sample_from_anchor false\).*"
+        r"vllm/pull/54154 \(open\).*`dflash2 serve`",
+    ):
         export_for(str(src), tmp_path / "out", engine)
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_v1_drafters_with_their_own_logit_settings_are_refused(tmp_path, engine):
-    src = edit_config(synthetic_checkpoint(tmp_path / "hf", "v1"),
-                      lambda c: c["dflash_config"].update(output_multiplier=0.5))
-    with pytest.raises(ValueError, match="with the target's own head and settings, but this drafter sets its own "
-                                         r"\(output_multiplier 0\.5"):
+    src = edit_config(
+        synthetic_checkpoint(tmp_path / "hf", "v1"), lambda c: c["dflash_config"].update(output_multiplier=0.5)
+    )
+    with pytest.raises(
+        ValueError,
+        match="with the target's own head and settings, but this drafter sets its own "
+        r"\(output_multiplier 0\.5",
+    ):
         export_for(str(src), tmp_path / "out", engine)
 
 
 def test_an_embedding_scale_only_vllm_dflash2_reads(tmp_path):
-    src = edit_config(synthetic_checkpoint(tmp_path / "hf", "dflash2"),
-                      lambda c: c["dflash_config"].update(input_embedding_scale=2.0))
-    with pytest.raises(ValueError, match=r"SGLang feeds a DFlash2DraftModel the target's unscaled token embeddings, "
-                                         r"but this drafter scales them by 2 .*export it --for vllm"):
+    src = edit_config(
+        synthetic_checkpoint(tmp_path / "hf", "dflash2"), lambda c: c["dflash_config"].update(input_embedding_scale=2.0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"SGLang feeds a DFlash2DraftModel the target's unscaled token embeddings, "
+        r"but this drafter scales them by 2 .*export it --for vllm",
+    ):
         export_for(str(src), tmp_path / "sglang", "sglang")
     out = export_for(str(src), tmp_path / "vllm", "vllm")
     assert json.loads((out / "config.json").read_text())["dflash_config"]["input_embedding_scale"] == 2.0
-    v1 = edit_config(synthetic_checkpoint(tmp_path / "hf1", "v1"),
-                     lambda c: c["dflash_config"].update(input_embedding_scale=2.0))
+    v1 = edit_config(
+        synthetic_checkpoint(tmp_path / "hf1", "v1"), lambda c: c["dflash_config"].update(input_embedding_scale=2.0)
+    )
     with pytest.raises(ValueError, match="vLLM feeds a DFlashDraftModel the target's unscaled token embeddings"):
         export_for(str(v1), tmp_path / "v1", "vllm")
 
@@ -331,8 +375,22 @@ def test_the_cli(tmp_path, capsys):
     assert main(["export", "--mlx-path", str(src), "--hf-path", str(tmp_path / "out"), "--for", "vllm"]) == 0
     err = capsys.readouterr().err
     assert '"method": "dflash"' in err and '"num_speculative_tokens": 15' in err and str(tmp_path / "out") in err
-    assert main(["export", "--mlx-path", str(src), "--hf-path", str(tmp_path / "o2"), "--for", "sglang",
-                 "--dtype", "float32"]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--mlx-path",
+                str(src),
+                "--hf-path",
+                str(tmp_path / "o2"),
+                "--for",
+                "sglang",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 2
+    )
     assert "--for sglang writes bfloat16" in capsys.readouterr().err
     assert main(["export", "--mlx-path", str(src), "--hf-path", str(tmp_path / "o3"), "--model", "x"]) == 2
     assert "--model is for --for sglang|vllm exports" in capsys.readouterr().err

@@ -81,8 +81,9 @@ def test_chunked_prefill_equals_one_pass(arch, step):
     with target.capture() as tap:
         ref_logits, ref_feats = tap.prefill(prompt, target.make_cache(), step_size=4096)
         logits, feats = tap.prefill(prompt, target.make_cache(), step_size=step)
-    np.testing.assert_allclose(np.array(target.prefill(prompt, target.make_cache(), step)), np.array(ref_logits),
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.array(target.prefill(prompt, target.make_cache(), step)), np.array(ref_logits), atol=1e-4, rtol=1e-4
+    )
     assert feats.shape == (21, 2 * 64)
     np.testing.assert_allclose(np.array(feats), np.array(ref_feats), atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.array(logits), np.array(ref_logits), atol=1e-4, rtol=1e-4)
@@ -135,10 +136,22 @@ def test_unrollable_cache_is_named():
     from mlx_lm.models import lfm2
 
     args = lfm2.ModelArgs(
-        model_type="lfm2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
-        block_dim=32, block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-        block_ff_dim=64, layer_types=["conv", "full_attention"],
+        model_type="lfm2",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=32,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=64,
+        layer_types=["conv", "full_attention"],
     )
     target = Target(lfm2.Model(args))
     with pytest.raises(ValueError, match="'lfm2' keeps state that cannot be rolled back"):
@@ -156,6 +169,4 @@ def test_untied_head_is_used():
     assert target.lm_head is model.lm_head
     tied = Target(make_target("llama"))
     h = mx.ones((1, 64))
-    np.testing.assert_allclose(
-        np.array(tied.lm_head(h)), np.array(tied.embed_tokens.as_linear(h)), atol=1e-5
-    )
+    np.testing.assert_allclose(np.array(tied.lm_head(h)), np.array(tied.embed_tokens.as_linear(h)), atol=1e-5)

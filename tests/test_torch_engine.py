@@ -104,8 +104,9 @@ def test_a_folder_keeps_its_engine(tmp_path, tokenizer):
     """`dflash2 data` with the torch engine writes shards; resuming with the MLX engine is refused, and a folder
     written before the engine was recorded counts as MLX's."""
     model = make_target("llama", seed=2)
-    settings = DataSettings(target="tiny", num_prompts=3, max_prompt_tokens=400, max_new_tokens=6, batch_size=2,
-                            engine="torch")
+    settings = DataSettings(
+        target="tiny", num_prompts=3, max_prompt_tokens=400, max_new_tokens=6, batch_size=2, engine="torch"
+    )
     build(tmp_path / "d", settings, model, tokenizer, progress=False)
     samples = read_shards(tmp_path / "d")
     assert len(samples) == 3 and all(len(s.tokens) - s.prompt_len <= 6 for s in samples)

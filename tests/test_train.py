@@ -150,9 +150,18 @@ def train_data(tmp_path_factory):
 
 
 def settings(folder, arch, steps, **kw):
-    base = dict(data=str(folder), architecture=arch, block_size=4, steps=steps, sequences_per_step=4,
-                anchors_per_sequence=16, eval_every=steps, checkpoint_every=steps, learning_rate=3e-3,
-                selector_rank=16)
+    base = dict(
+        data=str(folder),
+        architecture=arch,
+        block_size=4,
+        steps=steps,
+        sequences_per_step=4,
+        anchors_per_sequence=16,
+        eval_every=steps,
+        checkpoint_every=steps,
+        learning_rate=3e-3,
+        selector_rank=16,
+    )
     return TrainSettings(**{**base, **kw})
 
 
@@ -168,8 +177,10 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     assert trainer.log[-1]["tau"] > untrained_tau
     # the train_tau column: the held-out evaluation run on a spread of training samples, which the fitted
     # drafter accepts more of than unseen ones
-    assert len(trainer.train_probe) == min(40, len(trainer.train_samples)) and trainer.log[-1]["train_tau"] > \
-        trainer.log[-1]["tau"]
+    assert (
+        len(trainer.train_probe) == min(40, len(trainer.train_samples))
+        and trainer.log[-1]["train_tau"] > trainer.log[-1]["tau"]
+    )
     caches, trainer.caches = trainer.caches, {}  # features from the target for both (not the cache's float16)
     with trainer.averaged():
         seen, heldout = trainer.evaluate("train"), trainer.heldout
@@ -185,8 +196,9 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     bind_drafter(drafter, model)
     with trainer.averaged():  # the weights' moving average (on by default) is what is exported
         want = trainer.drafter.hidden(batch.blocks, raw * trainer.feature_scale, None, batch.where)
-    np.testing.assert_allclose(np.array(drafter.hidden(batch.blocks, raw, None, batch.where)), np.array(want),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(drafter.hidden(batch.blocks, raw, None, batch.where)), np.array(want), rtol=1e-4, atol=1e-4
+    )
     prompt = [7, 8, 9, 10]
     plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     spec = generate(model, tokenizer, prompt, drafter, max_tokens=20, eos_token_ids=[])
@@ -304,8 +316,9 @@ def test_feature_cache_of_a_grown_data_folder_computes_only_the_new_shards(tmp_p
     for i in (0, len(grown) - 1):
         s = grown[i]
         exact = np.array(target.sequence_features(mx.array(s.tokens[None])))[0]
-        np.testing.assert_allclose(np.array(cache.context([i], len(s.tokens)).astype(mx.float32))[0], exact,
-                                   rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(
+            np.array(cache.context([i], len(s.tokens)).astype(mx.float32))[0], exact, rtol=2e-3, atol=2e-3
+        )
 
 
 @pytest.mark.slow
@@ -320,13 +333,13 @@ def test_reduced_vocabulary_loss(train_data):
     x = mx.random.normal((3, 64), key=mx.random.key(0))
     for m in (model, make_target("qwen3", seed=4, tied=False)):
         t = Target(m)
-        np.testing.assert_allclose(np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]), rtol=1e-5, atol=1e-5
+        )
     quantized = make_target("qwen3", seed=4, tied=False)
     nn.quantize(quantized, group_size=32, bits=8)
     t = Target(quantized)
-    np.testing.assert_allclose(np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(x @ t.head_rows(ids).T), np.array(t.lm_head(x)[:, ids]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -339,7 +352,7 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
     from dflash2_mlx.formats.vocab import read_draft_vocab
 
     model, folder = train_data
-    counts = Counter(t for s in read_shards(folder, heldout=False) for t in s.tokens[s.prompt_len:].tolist())
+    counts = Counter(t for s in read_shards(folder, heldout=False) for t in s.tokens[s.prompt_len :].tolist())
     expected = sorted(sorted(counts, key=lambda t: (-counts[t], t))[:20])
     assert len(counts) > 20  # some response tokens are left out
     trainer = Trainer(model, tmp_path / "run", settings(folder, "dflash2", 4, draft_vocab=20))
@@ -350,12 +363,17 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
     write_card(folder_out, trainer, "tiny")
     assert read_draft_vocab(folder_out).tolist() == expected
     assert json.loads((folder_out / "card.json").read_text())["draft_vocab"] == 20
-    assert "draft vocabulary: 20 tokens, the most frequent of the training responses" in (folder_out / "README.md").read_text()
+    assert (
+        "draft vocabulary: 20 tokens, the most frequent of the training responses"
+        in (folder_out / "README.md").read_text()
+    )
     drafter = load_drafter(str(folder_out))
     prompt = [7, 8, 9, 10]
     plain = generate(model, tokenizer, prompt, None, verify_mode="off", max_tokens=16, eos_token_ids=[])
-    assert generate(model, tokenizer, prompt, drafter, verify_mode="dflash", max_tokens=16,
-                    eos_token_ids=[]).tokens == plain.tokens
+    assert (
+        generate(model, tokenizer, prompt, drafter, verify_mode="dflash", max_tokens=16, eos_token_ids=[]).tokens
+        == plain.tokens
+    )
 
 
 @pytest.mark.slow
@@ -391,9 +409,12 @@ def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     with v1.averaged():  # what `export` wrote
         assert v2.evaluate() == v1.evaluate()
         assert v1.evaluate().first_draft > 0  # a comparison of drafters that draft something
-        np.testing.assert_allclose(np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
-                                   np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
+            np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     v2.run(progress=False)
     conv = v2.drafter.layers[0].attention_conv
     assert mx.any(conv.kernel_projection.weight != 0).item()  # the DFlash 2 modules train from there
@@ -415,8 +436,10 @@ def test_init_from_target_copies_its_last_layers(tmp_path, train_data):
     # what the target lacks keeps its own init: the context projection and the DFlash 2 modules
     fresh = Trainer(model, tmp_path / "f", settings(folder, "dflash2", 1, layers=2))
     assert mx.array_equal(own["fc.weight"], dict(tree_flatten(fresh.drafter.parameters()))["fc.weight"]).item()
-    assert not mx.array_equal(own["layers.0.mlp.up_proj.weight"],
-                              dict(tree_flatten(fresh.drafter.parameters()))["layers.0.mlp.up_proj.weight"]).item()
+    assert not mx.array_equal(
+        own["layers.0.mlp.up_proj.weight"],
+        dict(tree_flatten(fresh.drafter.parameters()))["layers.0.mlp.up_proj.weight"],
+    ).item()
     quantized = make_target("qwen3", seed=3)
     nn.quantize(quantized, group_size=32, bits=8)
     with pytest.raises(ValueError, match="needs a target with float weights"):
@@ -455,8 +478,9 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
     (checked in NumPy against every step's raw weights), survives a checkpoint, and is what the run evaluates
     and exports, with the raw weights' tau logged beside it."""
     model, folder = train_data
-    run = lambda ema, until=None: Trainer(model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1,
-                                                                         ema=ema)).run(progress=False, until=until)
+    run = lambda ema, until=None: Trainer(
+        model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1, ema=ema)
+    ).run(progress=False, until=until)
     run(0.0, until=2)  # a checkpoint without an average
     seen, real_step = [], Trainer.train_step
 
@@ -484,7 +508,11 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
     with trainer.averaged():
         assert entry["tau"] == round(trainer.evaluate().tau, 4)
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0].endswith(",raw_tau,raw_first_draft,train_tau") and [r.split(",")[0] for r in rows[1:]] == ["2", "4", "5"]
+    assert rows[0].endswith(",raw_tau,raw_first_draft,train_tau") and [r.split(",")[0] for r in rows[1:]] == [
+        "2",
+        "4",
+        "5",
+    ]
     assert rows[1].split(",")[5:7] == ["", ""] and rows[-1].split(",")[5] == str(entry["raw_tau"])
     # the exported drafter is the average (its fc takes raw features: the feature scale folded in)
     exported = dict(tree_flatten(load_drafter(str(trainer.export(tmp_path / "drafter"))).parameters()))
@@ -500,11 +528,52 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     from dflash2_apps.cli import main
 
     target, _ = tiny_pair
-    assert main(["data", "--model", str(target), "--out", str(tmp_path / "d"), "--num-prompts", "8",
-                 "--max-new-tokens", "12", "--batch-size", "4", "--max-prompt-tokens", "400"]) == 0
-    assert main(["train", "--model", str(target), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "t"),
-                 "--steps", "4", "--block-size", "4", "--sequences-per-step", "2", "--anchors-per-sequence", "4",
-                 "--eval-every", "2", "--selector-rank", "16"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "--model",
+                str(target),
+                "--out",
+                str(tmp_path / "d"),
+                "--num-prompts",
+                "8",
+                "--max-new-tokens",
+                "12",
+                "--batch-size",
+                "4",
+                "--max-prompt-tokens",
+                "400",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(target),
+                "--data",
+                str(tmp_path / "d"),
+                "--out",
+                str(tmp_path / "t"),
+                "--steps",
+                "4",
+                "--block-size",
+                "4",
+                "--sequences-per-step",
+                "2",
+                "--anchors-per-sequence",
+                "4",
+                "--eval-every",
+                "2",
+                "--selector-rank",
+                "16",
+            ]
+        )
+        == 0
+    )
     card = json.loads((tmp_path / "t" / "drafter" / "card.json").read_text())
     assert card["steps"] == 4 and card["architecture"] == "DFlash2DraftModel"
     # --eval-every 2 over 4 steps: evaluations at steps 2 and 4, the card's tau is the last one, and a
@@ -534,8 +603,25 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     shutil.rmtree(tmp_path / "t" / "checkpoint")
     runs = {}
     for mode in ("dflash", "off"):
-        assert main(["generate", "--model", str(target), "--draft-model", str(tmp_path / "t" / "drafter"),
-                     "--prompt", "w1", "--max-tokens", "6", "--json", "--verify-mode", mode]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    str(target),
+                    "--draft-model",
+                    str(tmp_path / "t" / "drafter"),
+                    "--prompt",
+                    "w1",
+                    "--max-tokens",
+                    "6",
+                    "--json",
+                    "--verify-mode",
+                    mode,
+                ]
+            )
+            == 0
+        )
         runs[mode] = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert runs["dflash"]["verify_mode"] == "dflash" and runs["dflash"]["cycles"] > 0
     assert runs["dflash"]["tokens"] == runs["off"]["tokens"]  # the trained drafter decodes losslessly
@@ -613,8 +699,17 @@ def test_distillation_loss_is_the_formula(train_data, tmp_path):
     context = trainer.context(batch, "train")
     labels = mx.where(batch.labels >= 0, trainer.vocab_index[mx.maximum(batch.labels, 0)], -1)
     index, probs = trainer.soft_targets(batch, "train")
-    args = (trainer.drafter, batch.blocks, context, batch.where, labels, trainer.weights, _prev_gold(batch),
-            trainer.vocab, trainer.head_rows)
+    args = (
+        trainer.drafter,
+        batch.blocks,
+        context,
+        batch.where,
+        labels,
+        trainer.weights,
+        _prev_gold(batch),
+        trainer.vocab,
+        trainer.head_rows,
+    )
     got = loss_fn(*args, Soft(index, probs, 0.3)).item()
     hard = loss_fn(*args, Soft(index, probs, 0.0)).item()
     hidden = trainer.drafter.hidden(batch.blocks, context, None, batch.where)[:, 1:]
@@ -651,13 +746,51 @@ def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tin
     from dflash2_apps.cli import main
 
     target, _ = tiny_pair
-    assert main(["data", "--model", str(target), "--out", str(tmp_path / "d"), "--num-prompts", "6",
-                 "--max-new-tokens", "12", "--batch-size", "3", "--max-prompt-tokens", "400"]) == 0
-    flags = ["--model", str(target), "--steps", "5", "--block-size", "4", "--sequences-per-step", "2",
-             "--anchors-per-sequence", "4", "--eval-every", "5", "--selector-rank", "16", "--checkpoint-every", "5"]
+    assert (
+        main(
+            [
+                "data",
+                "--model",
+                str(target),
+                "--out",
+                str(tmp_path / "d"),
+                "--num-prompts",
+                "6",
+                "--max-new-tokens",
+                "12",
+                "--batch-size",
+                "3",
+                "--max-prompt-tokens",
+                "400",
+            ]
+        )
+        == 0
+    )
+    flags = [
+        "--model",
+        str(target),
+        "--steps",
+        "5",
+        "--block-size",
+        "4",
+        "--sequences-per-step",
+        "2",
+        "--anchors-per-sequence",
+        "4",
+        "--eval-every",
+        "5",
+        "--selector-rank",
+        "16",
+        "--checkpoint-every",
+        "5",
+    ]
     script = Path(__file__).parents[1] / "apps" / "train_budget.sh"
-    run = subprocess.run(["bash", str(script), str(tmp_path / "d"), str(tmp_path / "t"), "0.000001", *flags],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        ["bash", str(script), str(tmp_path / "d"), str(tmp_path / "t"), "0.000001", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     state = json.loads((tmp_path / "t" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 1  # out of time after the first step
@@ -669,8 +802,9 @@ def test_train_budget_script_stops_and_the_train_command_continues(tmp_path, tin
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(tmp_path, train_data, monkeypatch,
-                                                                     terminal_sigint):
+def test_ctrl_c_stops_training_at_the_end_of_the_step_with_a_checkpoint(
+    tmp_path, train_data, monkeypatch, terminal_sigint
+):
     """SIGINT during step 3 of 6: the run ends after that step with its checkpoint instead of raising (and
     losing the steps since the last checkpoint); the handler is put back; a rerun continues to the end."""
     import signal

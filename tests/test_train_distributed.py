@@ -33,8 +33,24 @@ from dflash2_mlx.train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test here starts ranks, each one process loading MLX and a target
 RUN_TIMEOUT = 180  # seconds any one distributed run may take before the test fails
-TRAIN = ["--steps", "3", "--sequences-per-step", "4", "--anchors-per-sequence", "8", "--block-size", "4",
-         "--eval-every", "100", "--checkpoint-every", "100", "--selector-rank", "16", "--lr", "3e-3"]
+TRAIN = [
+    "--steps",
+    "3",
+    "--sequences-per-step",
+    "4",
+    "--anchors-per-sequence",
+    "8",
+    "--block-size",
+    "4",
+    "--eval-every",
+    "100",
+    "--checkpoint-every",
+    "100",
+    "--selector-rank",
+    "16",
+    "--lr",
+    "3e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +97,8 @@ def _driver(root: Path) -> Path:
         "    return real(self)\n"
         "Trainer.train_step = train_step\n"
         "from dflash2_apps.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n")
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
     return path
 
 
@@ -98,10 +115,16 @@ def _ranks(root: Path, folder: Path, args_of, env: dict | None = None, wait_for:
         procs = []
         for rank in range(2):
             with open(logs / f"rank{rank}.txt", "w") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, *args_of(rank)], cwd=root, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=_env(folder, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), **(env or {}))))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, *args_of(rank)],
+                        cwd=root,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=_env(folder, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile), **(env or {})),
+                    )
+                )
         return procs
 
     ready = None if wait_for is None else lambda procs: procs[wait_for].poll() is not None
@@ -112,8 +135,19 @@ def _ranks(root: Path, folder: Path, args_of, env: dict | None = None, wait_for:
 
 
 def _cli(root: Path, out: Path, *extra, data: Path | None = None) -> list[str]:
-    return ["-m", "dflash2_apps.cli", "train", "--model", str(root / "target"), "--data", str(data or root / "data"),
-            "--out", str(out), *TRAIN, *extra]
+    return [
+        "-m",
+        "dflash2_apps.cli",
+        "train",
+        "--model",
+        str(root / "target"),
+        "--data",
+        str(data or root / "data"),
+        "--out",
+        str(out),
+        *TRAIN,
+        *extra,
+    ]
 
 
 def _one_process(root: Path, out: Path, run_dir: Path, steps: int) -> Trainer:
@@ -146,9 +180,17 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, folder):
     run, logs = tmp_path / "two", tmp_path / "launch"
 
     def start(ports, logs):
-        cmd = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
-               "-n", "2", "--starting-port", str(ports[0]),
-               sys.executable, *_cli(folder, run, data=data)]  # what `mlx.launch -n 2 python -m ...` runs
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
+            "-n",
+            "2",
+            "--starting-port",
+            str(ports[0]),
+            sys.executable,
+            *_cli(folder, run, data=data),
+        ]  # what `mlx.launch -n 2 python -m ...` runs
         with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:
             return [subprocess.Popen(cmd, cwd=folder, stdout=out, stderr=err, env=_env(folder), start_new_session=True)]
 
@@ -169,11 +211,16 @@ def test_two_ranks_train_as_one_process_on_the_whole_batch(tmp_path, folder):
     assert "the other ranks' shards" not in out  # one disk: nothing left to compute twice
     # one process on the whole batch (the same feature cache, now full: it computes nothing)
     one = _one_process(folder, tmp_path / "one", run, steps=3)
-    two = {name: mx.load(str(run / "checkpoint" / f"{name}.safetensors")) for name in ("drafter", "optimizer", "average")}
+    two = {
+        name: mx.load(str(run / "checkpoint" / f"{name}.safetensors")) for name in ("drafter", "optimizer", "average")
+    }
     from mlx.utils import tree_flatten
 
-    want = {"drafter": dict(tree_flatten(one.drafter.parameters())), "optimizer": dict(tree_flatten(one.optimizer.state)),
-            "average": one.average}
+    want = {
+        "drafter": dict(tree_flatten(one.drafter.parameters())),
+        "optimizer": dict(tree_flatten(one.optimizer.state)),
+        "average": one.average,
+    }
     worst = {name: max(_relative_differences(two[name], want[name]).values()) for name in want}
     assert all(v < 1e-5 for v in worst.values()), worst
     # ... which is a test: 3 steps moved every trained tensor far beyond that
@@ -198,15 +245,17 @@ def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_befo
     def args_of(rank):
         return [str(driver), *_cli(folder, run if rank == 0 else elsewhere, *extra)[2:]]
 
-    (rc0, out0), (rc1, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGKILL"),
-                                             wait_for=0)
+    (rc0, out0), (rc1, out1) = _ranks(
+        tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGKILL"), wait_for=0
+    )
     assert "rank 0 of 2" in out0 and "rank 1 of 2" in out1
     assert rc1 in (-signal.SIGKILL, None), out1
     assert rc0 == 1, out0
     assert "PeerLost" in out0 and "step 4's gradient sum" in out0 and "(step 2)" in out0, out0
     assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 2
-    (rc0, out0), (rc1, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="none", KILL_AT="0",
-                                                                     KILL_SIGNAL="SIGKILL"))
+    (rc0, out0), (rc1, out1) = _ranks(
+        tmp_path, folder, args_of, dict(KILL_RANK="none", KILL_AT="0", KILL_SIGNAL="SIGKILL")
+    )
     assert (rc0, rc1) == (0, 0), out0 + out1
     assert "rank 1 of 2" in out1 and not elsewhere.exists()
     state = json.loads((run / "checkpoint" / "state.json").read_text())
@@ -214,8 +263,11 @@ def test_a_lost_rank_ends_the_other_and_the_run_resumes_from_the_checkpoint_befo
     one = _one_process(folder, tmp_path / "one", run, steps=6)
     from mlx.utils import tree_flatten
 
-    worst = max(_relative_differences(mx.load(str(run / "checkpoint" / "drafter.safetensors")),
-                                      dict(tree_flatten(one.drafter.parameters()))).values())
+    worst = max(
+        _relative_differences(
+            mx.load(str(run / "checkpoint" / "drafter.safetensors")), dict(tree_flatten(one.drafter.parameters()))
+        ).values()
+    )
     assert worst < 1e-5
     # the losses too (Adam and clipping are blind to a gradient scaled by the same factor on every rank)
     np.testing.assert_allclose([e["loss"] for e in state["log"]], [e["loss"] for e in one.log], rtol=1e-5)
@@ -234,8 +286,9 @@ def test_a_rank_that_stops_answering_ends_the_other_within_its_timeout(tmp_path,
     def args_of(rank):
         return [str(driver), *_cli(folder, tmp_path / f"run{rank}", *extra, data=own if rank else None)[2:]]
 
-    (rc0, out0), (_, out1) = _ranks(tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"),
-                                    wait_for=0)
+    (rc0, out0), (_, out1) = _ranks(
+        tmp_path, folder, args_of, dict(KILL_RANK="1", KILL_AT="3", KILL_SIGNAL="SIGSTOP"), wait_for=0
+    )
     assert rc0 == WATCHDOG_EXIT, out0
     assert "no answer from the other ranks for 8 s during step 4's gradient sum" in out0, out0
     assert "(step 2)" in out0
@@ -246,8 +299,11 @@ def test_a_rank_that_stops_answering_ends_the_other_within_its_timeout(tmp_path,
 
 
 def test_a_world_size_that_does_not_split_the_batch_is_refused_before_any_work(tmp_path, folder):
-    with pytest.raises(ValueError, match="--sequences-per-step 3 does not split over 2 ranks .* give "
-                                         "--sequences-per-step 2 or --sequences-per-step 4"):
+    with pytest.raises(
+        ValueError,
+        match="--sequences-per-step 3 does not split over 2 ranks .* give "
+        "--sequences-per-step 2 or --sequences-per-step 4",
+    ):
         check_world_size(TrainSettings(data="d", sequences_per_step=3), 2)
     check_world_size(TrainSettings(data="d", sequences_per_step=6), 3)
     before = {p.name for p in (folder / "data").iterdir()}
@@ -266,9 +322,16 @@ def test_a_rank_whose_peers_never_answer_ends_after_its_timeout(tmp_path, folder
     def start(ports, logs):  # rank 0 of two; rank 1 never starts
         hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
         with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:
-            return [subprocess.Popen([sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")],
-                                     cwd=tmp_path, stdout=out, stderr=err, start_new_session=True,
-                                     env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)))]
+            return [
+                subprocess.Popen(
+                    [sys.executable, *_cli(folder, tmp_path / "run", "--peer-timeout", "3")],
+                    cwd=tmp_path,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    env=_env(folder, MLX_RANK="0", MLX_HOSTFILE=str(hostfile)),
+                )
+            ]
 
     [done] = start_ring(start, logs, RUN_TIMEOUT)
     stderr = (logs / "err.txt").read_text()

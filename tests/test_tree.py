@@ -12,8 +12,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    ARCHS, N, N_BROKEN, PROMPT, SETTINGS, SiblingOracle, V, chi_square, drafter_config, exact_distribution,
-    make_dflash2_drafter, make_drafter, make_hybrid, make_target, prompts, run,
+    ARCHS,
+    N,
+    N_BROKEN,
+    PROMPT,
+    SETTINGS,
+    SiblingOracle,
+    V,
+    chi_square,
+    drafter_config,
+    exact_distribution,
+    make_dflash2_drafter,
+    make_drafter,
+    make_hybrid,
+    make_target,
+    prompts,
+    run,
 )
 
 import dflash2_mlx.decode as decode
@@ -149,10 +163,12 @@ def test_siblings_raise_acceptance_over_the_linear_path(tokenizer):
     prompt = prompts(1, seed=8)[0]
     kw = dict(block_size=4, max_tokens=37, eos_token_ids=[], copyspec_mode="off")  # 9 cycles of 4, or 12 of 3
     linear = generate(model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="dflash", **kw)
-    tree = generate(model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="ddtree",
-                    tree_budget=16, **kw)
-    small = generate(model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="ddtree",
-                     tree_budget=13, **kw)
+    tree = generate(
+        model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="ddtree", tree_budget=16, **kw
+    )
+    small = generate(
+        model, tokenizer, prompt, sibling_oracle(model, prompt, 4, None, 0), verify_mode="ddtree", tree_budget=13, **kw
+    )
     assert tree.tokens == linear.tokens == small.tokens
     assert set(linear.accepted) == {0} and tree.accepted == [3] * 9
     assert small.accepted == [2] * 12  # 13 nodes: the runner-up path up to depth 2 only
@@ -165,8 +181,16 @@ def test_eos_inside_an_accepted_branch(tokenizer):
     for stop_at in (3, 10, 17):
         eos = plain[stop_at]
         expected = plain[: plain.index(eos) + 1]
-        spec, _, finish = run(model, tokenizer, prompt, sibling_oracle(model, prompt, 8, stop_at),
-                              verify_mode="ddtree", tree_budget=16, max_tokens=40, eos_token_ids=[eos])
+        spec, _, finish = run(
+            model,
+            tokenizer,
+            prompt,
+            sibling_oracle(model, prompt, 8, stop_at),
+            verify_mode="ddtree",
+            tree_budget=16,
+            max_tokens=40,
+            eos_token_ids=[eos],
+        )
         assert spec == expected and finish == "stop"
 
 
@@ -175,8 +199,16 @@ def test_max_tokens_exact_inside_a_tree(max_tokens, tokenizer):
     model = make_target("llama_swa", seed=2)
     prompt = prompts(1, seed=2)[0]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=max_tokens, eos_token_ids=[])
-    spec, accepted, finish = run(model, tokenizer, prompt, sibling_oracle(model, prompt, 8, 1), verify_mode="ddtree",
-                                 tree_budget=32, max_tokens=max_tokens, eos_token_ids=[])
+    spec, accepted, finish = run(
+        model,
+        tokenizer,
+        prompt,
+        sibling_oracle(model, prompt, 8, 1),
+        verify_mode="ddtree",
+        tree_budget=32,
+        max_tokens=max_tokens,
+        eos_token_ids=[],
+    )
     assert spec == plain and len(spec) == max_tokens and finish == "length"
     committed = [1 + sum(a + 1 for a in accepted[:k]) for k in range(len(accepted) + 1)]
     assert committed[-1] >= max_tokens and (not accepted or committed[-2] < max_tokens)
@@ -291,7 +323,9 @@ def test_cli_ddtree(tiny_pair, capsys):
     common = ["generate", "--model", str(target), "--prompt", "w1 w2 w3", "--max-tokens", "15"]
     assert main(common + ["--json", "--verify-mode", "off"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(common + ["--json", "--draft-model", str(drafter), "--verify-mode", "ddtree", "--tree-budget", "4"]) == 0
+    assert (
+        main(common + ["--json", "--draft-model", str(drafter), "--verify-mode", "ddtree", "--tree-budget", "4"]) == 0
+    )
     tree = json.loads(capsys.readouterr().out)
     assert tree["tokens"] == plain["tokens"] and tree["verify_mode"] == "ddtree"
     assert tree["tree_budget"] == 4 and tree["block_size"] == 8 and tree["cycles"] > 0
@@ -307,14 +341,17 @@ def curve(verify_ms: list[float], draft_ms: float = 10.0, B: int = 8) -> CostMod
     return CostModel([v / 1000 for v in verify_ms], [draft_ms / 1000] * (B - 1))
 
 
-@pytest.mark.parametrize("verify_ms, budget", [
-    ([100.0] * 33, 32),  # a flat curve: the whole 32 nodes
-    ([100.0 + 10 * n for n in range(33)], 8),  # each token 10% of a step: one node past the linear block's 7
-    ([100.0 + 40 * n for n in range(33)], 7),  # each token 40% of a step: nothing past the linear block's 7
-    # linear cycle = 10 + 170 ms, limit 198: 13 tokens (12 nodes) cost 10 + 185, 14 tokens 10 + 200
-    ([100.0 + 10 * n for n in range(8)] + [185.0] * 5 + [200.0] * 20, 12),
-    ([100.0] * 8, 7),  # a curve measured only to the block: no tree larger than the linear block
-])
+@pytest.mark.parametrize(
+    "verify_ms, budget",
+    [
+        ([100.0] * 33, 32),  # a flat curve: the whole 32 nodes
+        ([100.0 + 10 * n for n in range(33)], 8),  # each token 10% of a step: one node past the linear block's 7
+        ([100.0 + 40 * n for n in range(33)], 7),  # each token 40% of a step: nothing past the linear block's 7
+        # linear cycle = 10 + 170 ms, limit 198: 13 tokens (12 nodes) cost 10 + 185, 14 tokens 10 + 200
+        ([100.0 + 10 * n for n in range(8)] + [185.0] * 5 + [200.0] * 20, 12),
+        ([100.0] * 8, 7),  # a curve measured only to the block: no tree larger than the linear block
+    ],
+)
 def test_default_budget_is_the_most_nodes_within_the_slack(verify_ms, budget):
     assert default_budget(curve(verify_ms), 8) == budget
     # brute force of the rule: most n with draft + verify(n + 1 tokens) <= 1.1 x (draft + verify(8 tokens))
@@ -356,8 +393,14 @@ def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
     model = make_target("qwen3", vocab=16, seed=6)
     make = make_drafter if kind == "v1" else make_dflash2_drafter
     # flat draft logits: wide trees, so acceptance goes through later siblings
-    drafter = make(model, block_size=5, seed=2, mask_token_id=15, output_multiplier=0.05,
-                   **({} if kind == "v1" else dict(selector_top_k=8)))
+    drafter = make(
+        model,
+        block_size=5,
+        seed=2,
+        mask_token_id=15,
+        output_multiplier=0.05,
+        **({} if kind == "v1" else dict(selector_top_k=8)),
+    )
     prompt, n = [3, 9, 4, 1, 7], 60
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=n, eos_token_ids=[])
     sample = Sample("s", np.array(prompt + plain, np.int32), len(prompt), True)
@@ -366,8 +409,9 @@ def test_simulated_acceptance_is_what_decoding_accepts(kind, tokenizer):
     assert sim["blocks"] == n - 5 + 1
     modes = [("linear", dict(verify_mode="dflash"))] + [(b, dict(verify_mode="ddtree", tree_budget=b)) for b in budgets]
     for key, kw in modes:
-        spec, accepted, _ = run(model, tokenizer, prompt, drafter, block_size=5, max_tokens=n, eos_token_ids=[],
-                                copyspec_mode="off", **kw)  # the drafter's acceptance alone
+        spec, accepted, _ = run(
+            model, tokenizer, prompt, drafter, block_size=5, max_tokens=n, eos_token_ids=[], copyspec_mode="off", **kw
+        )  # the drafter's acceptance alone
         assert spec == plain
         simulated = sim["linear"] if key == "linear" else sim["tree"][key]
         position, checked = 0, 0
@@ -389,8 +433,25 @@ def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
     from dflash2_mlx.train.data import Sample, write_shard
 
     target, drafter = tiny_pair
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--quick", "--block-sizes", "4",
-                 "--tree-budgets", "2,8,auto", "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--quick",
+                "--block-sizes",
+                "4",
+                "--tree-budgets",
+                "2,8,auto",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "b.json").read_text())
     rows = {r["method"]: r for r in report["results"]}
     for budget in (2, 8, "auto"):
@@ -406,11 +467,32 @@ def test_bench_ddtree_rows_and_tree_sim(tiny_pair, tokenizer, tmp_path, capsys):
     model, _ = load_model(target)
     prompt = [3, 9, 4, 1, 7]
     plain, _, _ = run(model, tokenizer, prompt, max_tokens=30, eos_token_ids=[])
-    write_shard(tmp_path / "shard-00000.npz", [Sample("a", np.array(prompt + plain, np.int32), 5, True),
-                                               Sample("b", np.array(prompt + plain, np.int32), 5, False)])
+    write_shard(
+        tmp_path / "shard-00000.npz",
+        [
+            Sample("a", np.array(prompt + plain, np.int32), 5, True),
+            Sample("b", np.array(prompt + plain, np.int32), 5, False),
+        ],
+    )
     capsys.readouterr()
-    assert main(["bench", "--model", str(target), "--draft-model", str(drafter), "--tree-sim", str(tmp_path),
-                 "--tree-budgets", "1,4", "--markdown", str(tmp_path / "sim.md")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--draft-model",
+                str(drafter),
+                "--tree-sim",
+                str(tmp_path),
+                "--tree-budgets",
+                "1,4",
+                "--markdown",
+                str(tmp_path / "sim.md"),
+            ]
+        )
+        == 0
+    )
     table = (tmp_path / "sim.md").read_text()
     assert table.startswith(f"Made by `dflash2 bench --model {target} ") and "--tree-sim" in table.split("\n")[0]
     assert "teacher-forced tau on 1 held-out samples" in table and "| tree 1 | tree 4 |" in table
@@ -421,8 +503,15 @@ def test_tree_mode_leaves_the_model_as_it_was(tokenizer):
     model = make_target("qwen3", seed=1)
     ropes = [layer.self_attn.rope for layer in model.layers]
     before = model(mx.array([[5, 6, 7]]))
-    spec, _, _ = run(model, tokenizer, [5, 6, 7], make_drafter(model, block_size=4), verify_mode="ddtree",
-                     max_tokens=10, eos_token_ids=[])
+    spec, _, _ = run(
+        model,
+        tokenizer,
+        [5, 6, 7],
+        make_drafter(model, block_size=4),
+        verify_mode="ddtree",
+        max_tokens=10,
+        eos_token_ids=[],
+    )
     assert len(spec) == 10
     assert all(layer.self_attn.rope is rope for layer, rope in zip(model.layers, ropes))
     assert all("rope" not in layer.self_attn.__dict__ for layer in model.layers)

@@ -9,7 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    SETTINGS, V, assert_follows_mlx_lm, make_dflash2_drafter, make_drafter, make_target, sample_sequences,
+    SETTINGS,
+    V,
+    assert_follows_mlx_lm,
+    make_dflash2_drafter,
+    make_drafter,
+    make_target,
+    sample_sequences,
     synthetic_checkpoint,
 )
 
@@ -35,8 +41,9 @@ def test_drafts_come_from_the_draft_vocabulary(make):
     h = mx.random.normal((5, 64))
     restricted = with_vocab(make(model, block_size=6), model)
     # the restricted head is the full head's columns at those ids (an independent slice of the full logits)
-    np.testing.assert_allclose(np.array(restricted.draft_logits(h)), np.array(full.draft_logits(h))[:, IDS],
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.array(restricted.draft_logits(h)), np.array(full.draft_logits(h))[:, IDS], atol=1e-5, rtol=1e-5
+    )
     block, context = mx.array([[7] + [restricted.config.mask_token_id] * 5]), mx.random.normal((1, 9, 128))
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
         for seed in range(4):

@@ -147,9 +147,7 @@ class DraftConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
         architecture = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
         if architecture not in _LAYOUTS:
-            raise ValueError(
-                f"unknown drafter architecture {architecture!r}; supported: {sorted(_LAYOUTS)}"
-            )
+            raise ValueError(f"unknown drafter architecture {architecture!r}; supported: {sorted(_LAYOUTS)}")
         missing = [k for k in _REQUIRED if k not in cfg]
         if missing:
             raise ValueError(f"drafter config.json lacks required fields {missing}")
@@ -192,11 +190,29 @@ _REQUIRED = (
     "intermediate_size",
 )
 _OTHER_FIELDS = {
-    "vocab_size", "architectures", "model_type", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-    "rope_parameters", "rope_scaling", "max_position_embeddings", "layer_types", "sliding_window",
-    "num_target_layers", "block_size", "dflash_config", "is_causal", "mask_token_id",
-    "target_layer_ids", "final_logit_softcapping", "output_multiplier", "input_embedding_scale",
-    "mlx", "quantization",  # written by `dflash2 convert`, read by load_drafter
+    "vocab_size",
+    "architectures",
+    "model_type",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "max_position_embeddings",
+    "layer_types",
+    "sliding_window",
+    "num_target_layers",
+    "block_size",
+    "dflash_config",
+    "is_causal",
+    "mask_token_id",
+    "target_layer_ids",
+    "final_logit_softcapping",
+    "output_multiplier",
+    "input_embedding_scale",
+    "mlx",
+    "quantization",  # written by `dflash2 convert`, read by load_drafter
 }
 
 
@@ -226,8 +242,7 @@ def _dflash2_fields(cfg: dict) -> dict:
     """DFlash2DraftModel: every DFlash field under `dflash_config`."""
     fields = _dflash_v1_fields(cfg)
     dflash = cfg["dflash_config"]
-    missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-               if k not in dflash]
+    missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k not in dflash]
     if missing:
         raise ValueError(f"DFlash 2 drafter config: dflash_config lacks {missing}")
     fields.update(
@@ -269,6 +284,4 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> t
     """The layer ids DFlash uses for an N-layer target: round(1 + i*(N-4)/(k-1))."""
     if num_features == 1:
         return (num_target_layers // 2,)
-    return tuple(
-        int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features)
-    )
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (num_features - 1))) for i in range(num_features))

@@ -83,8 +83,10 @@ def _read_dequantized(reader) -> tuple[dict[str, mx.array], dict]:
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name} is {t.tensor_type.name}, which gguf-py cannot dequantize; "
-                             "requantize the file to Q8_0, Q4_0 or a K-quant with llama.cpp") from e
+            raise ValueError(
+                f"GGUF tensor {t.name} is {t.tensor_type.name}, which gguf-py cannot dequantize; "
+                "requantize the file to Q8_0, Q4_0 or a K-quant with llama.cpp"
+            ) from e
         tensors[t.name] = mx.array(data.reshape(tuple(int(d) for d in reversed(t.shape))).astype("float32"))
     return tensors, meta
 
@@ -257,8 +259,11 @@ def convert_gguf(path: str | Path, mlx_path: str | Path, dtype: str | None = Non
     config = model_config(meta, tensors)
     weights = mlx_weights(tensors, config)
     if dtype is None:
-        layers = {k[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": _bits(weights, k[: -len(".scales")])}
-                  for k in weights if k.endswith(".scales")}
+        layers = {
+            k[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": _bits(weights, k[: -len(".scales")])}
+            for k in weights
+            if k.endswith(".scales")
+        }
         if layers:
             config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **layers}
     model = build_model(weights, config, dtype)

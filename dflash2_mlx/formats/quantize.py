@@ -37,7 +37,9 @@ class DraftQuant:
         """`w4a16:gs64`, `w8a32:gs32`, `w4` (a16, gs64 by default)."""
         m = _SPEC.match(spec.strip().lower())
         if m is None:
-            raise ValueError(f"bad draft quantization spec {spec!r}: expected w{{bits}}a{{act}}:gs{{group}}, e.g. w4a16:gs64")
+            raise ValueError(
+                f"bad draft quantization spec {spec!r}: expected w{{bits}}a{{act}}:gs{{group}}, e.g. w4a16:gs64"
+            )
         return cls(int(m["bits"]), int(m["act"] or 16), int(m["group"] or 64))
 
     @property

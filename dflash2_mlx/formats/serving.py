@@ -54,14 +54,36 @@ SAFETENSORS_DTYPE = "BF16"
 # dflash_config fields each kind must carry (read by both engines' config parsers)
 DFLASH_FIELDS = {
     "v1": ("mask_token_id", "target_layer_ids", "block_size"),
-    "dflash2": ("mask_token_id", "target_layer_ids", "block_size", "conv_kernel_size", "conv_group_size",
-                "selector_rank", "selector_top_k"),
+    "dflash2": (
+        "mask_token_id",
+        "target_layer_ids",
+        "block_size",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+    ),
 }
 # top-level fields of the transformers Qwen3Config both engines build the drafter from
-TOP_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta",
-              "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias", "layer_types", "is_causal",
-              "dflash_config")
+TOP_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "vocab_size",
+    "hidden_act",
+    "attention_bias",
+    "layer_types",
+    "is_causal",
+    "dflash_config",
+)
 # names neither engine may find: their own embedding / LM head / reduced-vocabulary maps would be loaded
 FORBIDDEN_NAMES = ("embed_tokens", "lm_head", "d2t", "t2d", "mask_embedding", "mask_hidden")
 
@@ -76,14 +98,18 @@ class Engine:
 
 ENGINES = {
     "sglang": Engine(
-        "SGLang", reads_embedding_scale=(), reads_logit_settings=("dflash2",),
+        "SGLang",
+        reads_embedding_scale=(),
+        reads_logit_settings=("dflash2",),
         launch="python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-               "--speculative-draft-model-path {drafter} --speculative-dflash-block-size {block} --tp-size 1",
+        "--speculative-draft-model-path {drafter} --speculative-dflash-block-size {block} --tp-size 1",
     ),
     "vllm": Engine(
-        "vLLM", reads_embedding_scale=("dflash2",), reads_logit_settings=("dflash2",),
+        "vLLM",
+        reads_embedding_scale=("dflash2",),
+        reads_logit_settings=("dflash2",),
         launch="vllm serve {target} -tp 1 --speculative-config "
-               "'{{\"method\": \"dflash\", \"model\": \"{drafter}\", \"num_speculative_tokens\": {drafts}}}'",
+        '\'{{"method": "dflash", "model": "{drafter}", "num_speculative_tokens": {drafts}}}\'',
     ),
 }
 
@@ -133,11 +159,16 @@ def check_supported(name: str, config: DraftConfig, raw: dict[str, Any], resolve
         raise ValueError(
             f"{eng.name} feeds a {ARCHITECTURES[k]} the target's unscaled token embeddings, but this drafter "
             f"scales them by {resolved.embedding_scale:g} (input_embedding_scale times the target's own scale); "
-            + ("export it --for vllm (its DFlash 2 drafters read input_embedding_scale) or serve it with "
-               "`dflash2 serve`" if k == "dflash2" else "serve it with `dflash2 serve`")
+            + (
+                "export it --for vllm (its DFlash 2 drafters read input_embedding_scale) or serve it with "
+                "`dflash2 serve`"
+                if k == "dflash2"
+                else "serve it with `dflash2 serve`"
+            )
         )
-    if k not in eng.reads_logit_settings and (config.output_multiplier is not None
-                                              or config.final_logit_softcapping is not None):
+    if k not in eng.reads_logit_settings and (
+        config.output_multiplier is not None or config.final_logit_softcapping is not None
+    ):
         raise ValueError(
             f"{eng.name} computes a DFlashDraftModel's logits with the target's own head and settings, but this "
             f"drafter sets its own (output_multiplier {config.output_multiplier}, final_logit_softcapping "
@@ -196,8 +227,11 @@ def serving_config(name: str, config: DraftConfig, resolved: Resolved, note: str
     }
     if is_causal is None:
         del cfg["is_causal"]  # mixed layers, the reference's rule: sliding ones causal (both engines' default)
-    optional = {"rope_scaling": config.rope_scaling, "sliding_window": config.sliding_window,
-                "num_target_layers": resolved.num_target_layers}
+    optional = {
+        "rope_scaling": config.rope_scaling,
+        "sliding_window": config.sliding_window,
+        "num_target_layers": resolved.num_target_layers,
+    }
     cfg.update({key: value for key, value in optional.items() if value is not None})
     if note:
         cfg["dflash2_mlx_note"] = note
@@ -216,19 +250,21 @@ def expected_tensors(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
     for i in range(layers):
         p = f"layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (heads * hd, d),
-            p + "self_attn.k_proj.weight": (kv * hd, d),
-            p + "self_attn.v_proj.weight": (kv * hd, d),
-            p + "self_attn.o_proj.weight": (d, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, d),
-            p + "mlp.up_proj.weight": (inter, d),
-            p + "mlp.down_proj.weight": (d, inter),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (heads * hd, d),
+                p + "self_attn.k_proj.weight": (kv * hd, d),
+                p + "self_attn.v_proj.weight": (kv * hd, d),
+                p + "self_attn.o_proj.weight": (d, heads * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (inter, d),
+                p + "mlp.up_proj.weight": (inter, d),
+                p + "mlp.down_proj.weight": (d, inter),
+            }
+        )
         if "conv_kernel_size" in dflash:
             taps, group = dflash["conv_kernel_size"], dflash["conv_group_size"]
             for conv in ("attention_conv", "mlp_conv"):
@@ -270,10 +306,19 @@ def check_folder(name: str, folder: Path) -> list[str]:
     want = expected_tensors(cfg)
     problems += [f"missing tensor {n}" for n in sorted(want.keys() - tensors.keys())]
     problems += [f"unexpected tensor {n}" for n in sorted(tensors.keys() - want.keys())]
-    problems += [f"{n} has shape {tuple(meta['shape'])}, expected {want[n]}"
-                 for n, meta in tensors.items() if n in want and tuple(meta["shape"]) != want[n]]
-    problems += [f"{n} is {meta['dtype']}, expected {SAFETENSORS_DTYPE}"
-                 for n, meta in tensors.items() if meta["dtype"] != SAFETENSORS_DTYPE]
-    problems += [f"{n} is a name the engine would load as its own embedding, head or vocabulary map"
-                 for n in tensors if any(part in n.split(".") for part in FORBIDDEN_NAMES)]
+    problems += [
+        f"{n} has shape {tuple(meta['shape'])}, expected {want[n]}"
+        for n, meta in tensors.items()
+        if n in want and tuple(meta["shape"]) != want[n]
+    ]
+    problems += [
+        f"{n} is {meta['dtype']}, expected {SAFETENSORS_DTYPE}"
+        for n, meta in tensors.items()
+        if meta["dtype"] != SAFETENSORS_DTYPE
+    ]
+    problems += [
+        f"{n} is a name the engine would load as its own embedding, head or vocabulary map"
+        for n in tensors
+        if any(part in n.split(".") for part in FORBIDDEN_NAMES)
+    ]
     return problems

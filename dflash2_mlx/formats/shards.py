@@ -43,7 +43,14 @@ def read_shards(folder: str | Path, heldout: bool | None = None) -> list[Sample]
             offsets = z["offsets"]
             for i, sid in enumerate(z["ids"]):
                 if heldout is None or bool(z["heldout"][i]) == heldout:
-                    samples.append(Sample(str(sid), z["tokens"][offsets[i] : offsets[i + 1]],
-                                          int(z["prompt_lens"][i]), bool(z["heldout"][i]),
-                                          path.name.removesuffix(".npz"), int(offsets[i])))
+                    samples.append(
+                        Sample(
+                            str(sid),
+                            z["tokens"][offsets[i] : offsets[i + 1]],
+                            int(z["prompt_lens"][i]),
+                            bool(z["heldout"][i]),
+                            path.name.removesuffix(".npz"),
+                            int(offsets[i]),
+                        )
+                    )
     return samples

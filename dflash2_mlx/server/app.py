@@ -74,8 +74,9 @@ def warm_start(model, drafter, defaults: GenerationArguments) -> dict:
     if mode == "adaptive":
         return {"costs": load_or_measure_costs(target, drafter, block)}
     if defaults.tree_budget is None:
-        return {"tree_budget": default_budget(load_or_measure_costs(target, drafter, block, TREE_BUDGET_MAX + 1),
-                                              block)}
+        return {
+            "tree_budget": default_budget(load_or_measure_costs(target, drafter, block, TREE_BUDGET_MAX + 1), block)
+        }
     return {}
 
 
@@ -83,8 +84,12 @@ def sharded_info(model) -> dict | None:
     """What /health says of a target sharded over processes (None: one process)."""
     if not isinstance(model, distributed.ShardedTarget):
         return None
-    return {"mode": model.mode, "processes": model.group.size(), "batching": False,
-            "note": "one request at a time: batched decoding would run the model in one process"}
+    return {
+        "mode": model.mode,
+        "processes": model.group.size(),
+        "batching": False,
+        "note": "one request at a time: batched decoding would run the model in one process",
+    }
 
 
 class App:
@@ -103,8 +108,16 @@ class App:
         served_names: the names (beside `model_id`) clients may use in 'model' (--served-model-name).
     """
 
-    def __init__(self, model, tokenizer, drafter, model_id: str, defaults: GenerationArguments,
-                 settings: ServeSettings, served_names: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter,
+        model_id: str,
+        defaults: GenerationArguments,
+        settings: ServeSettings,
+        served_names: tuple[str, ...] = (),
+    ):
         self.tokenizer, self.model_id, self.settings = tokenizer, model_id, settings
         self.sharded = sharded_info(model)
         self.model_names = list(dict.fromkeys([model_id, *served_names]))
@@ -119,20 +132,36 @@ class App:
         model_context = getattr(getattr(target.model, "args", None), "max_position_embeddings", None)
         self.context_length = settings.context_length or model_context
         if self.context_length is None:
-            log.warning("the model does not say its context length: prompts are not checked against one "
-                        "(set --context-length)")
+            log.warning(
+                "the model does not say its context length: prompts are not checked against one (set --context-length)"
+            )
         mode = self.defaults.verify_mode
-        draft_tokens = 0 if drafter is None or mode == "off" else \
-            resolve_block_size(drafter, self.defaults.block_size, mode) - 1
-        self.parser = RequestParser(tokenizer, self.defaults, self.model_names, self.vocab_size, self.context_length,
-                                    draft_tokens, settings.chat_template_args)
+        draft_tokens = (
+            0 if drafter is None or mode == "off" else resolve_block_size(drafter, self.defaults.block_size, mode) - 1
+        )
+        self.parser = RequestParser(
+            tokenizer,
+            self.defaults,
+            self.model_names,
+            self.vocab_size,
+            self.context_length,
+            draft_tokens,
+            settings.chat_template_args,
+        )
         self.responses: Counter = Counter()  # HTTP answers sent, by status code (`count_response`)
         self._responses_lock = threading.Lock()
         # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
         concurrency = 1 if self.sharded else settings.decode_concurrency
-        self.worker = Worker(model, tokenizer, drafter, settings.queue_size, settings.prompt_cache,
-                             prompt_cache_size=settings.prompt_cache_size,
-                             prompt_cache_bytes=settings.prompt_cache_bytes, decode_concurrency=concurrency)
+        self.worker = Worker(
+            model,
+            tokenizer,
+            drafter,
+            settings.queue_size,
+            settings.prompt_cache,
+            prompt_cache_size=settings.prompt_cache_size,
+            prompt_cache_bytes=settings.prompt_cache_bytes,
+            decode_concurrency=concurrency,
+        )
         self.created = int(time.time())
 
     def count_response(self, status: int) -> None:
@@ -152,14 +181,20 @@ class App:
         counts = dict(worker.counts)
         for key, what in COUNTS.items():
             metric(f"{key}_total", "counter", what, [("", counts[key])])
-        metric("http_responses_total", "counter", "HTTP answers sent, by status code",
-               [(f'{{code="{code}"}}', n) for code, n in sorted(self.responses.copy().items())])
-        gauges = {"queue_length": ("requests waiting for the worker", worker.jobs.qsize()),
-                  "active_requests": ("requests generating now", len(worker.active)),
-                  "batch_size": ("requests in the batch's last decode step (0: none batched)", worker.batch_size),
-                  "batch_size_max": ("the most requests one decode step has served", worker.batch_size_max),
-                  "prompt_cache_slots": ("sequences the prompt cache holds", worker.cache_info["slots"]),
-                  "prompt_cache_bytes": ("bytes the prompt cache holds", worker.cache_info["bytes"])}
+        metric(
+            "http_responses_total",
+            "counter",
+            "HTTP answers sent, by status code",
+            [(f'{{code="{code}"}}', n) for code, n in sorted(self.responses.copy().items())],
+        )
+        gauges = {
+            "queue_length": ("requests waiting for the worker", worker.jobs.qsize()),
+            "active_requests": ("requests generating now", len(worker.active)),
+            "batch_size": ("requests in the batch's last decode step (0: none batched)", worker.batch_size),
+            "batch_size_max": ("the most requests one decode step has served", worker.batch_size_max),
+            "prompt_cache_slots": ("sequences the prompt cache holds", worker.cache_info["slots"]),
+            "prompt_cache_bytes": ("bytes the prompt cache holds", worker.cache_info["bytes"]),
+        }
         for name, (what, value) in gauges.items():
             metric(name, "gauge", what, [("", value)])
         return "\n".join(lines) + "\n"
@@ -169,9 +204,16 @@ class App:
         return self.worker.stop()
 
 
-def build_server(model, tokenizer, drafter, *, model_id: str, defaults: GenerationArguments | None = None,
-                 settings: ServeSettings | None = None,
-                 served_names: tuple[str, ...] = ()) -> tuple[App, ThreadingHTTPServer]:
+def build_server(
+    model,
+    tokenizer,
+    drafter,
+    *,
+    model_id: str,
+    defaults: GenerationArguments | None = None,
+    settings: ServeSettings | None = None,
+    served_names: tuple[str, ...] = (),
+) -> tuple[App, ThreadingHTTPServer]:
     """An `App` and its HTTP server, bound to the settings' host and port but not yet serving.
 
     Serve with `server.serve_forever()`; stop with `server.shutdown()`, `app.close()`, `server.server_close()`.
@@ -183,8 +225,15 @@ def build_server(model, tokenizer, drafter, *, model_id: str, defaults: Generati
         settings: the server's own settings (default: `ServeSettings()`).
         served_names: other names clients may use in 'model'.
     """
-    app = App(model, tokenizer, drafter, model_id, defaults or GenerationArguments(), settings or ServeSettings(),
-              served_names)
+    app = App(
+        model,
+        tokenizer,
+        drafter,
+        model_id,
+        defaults or GenerationArguments(),
+        settings or ServeSettings(),
+        served_names,
+    )
     try:
         return app, make_server(app)
     except BaseException:

@@ -140,9 +140,13 @@ class Handler(BaseHTTPRequestHandler):
         # compare_digest on bytes: its time does not depend on where a guess first differs
         if not any(hmac.compare_digest(g.encode(), key.encode()) for g in given):
             self.close_connection = True
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY' (or 'x-api-key: "
-                           "KEY') with the key the server was started with (--api-key)", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer KEY' (or 'x-api-key: "
+                "KEY') with the key the server was started with (--api-key)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def log_message(self, format, *args):  # noqa: A002 -- the standard library's name
         log.info("%s %s", self.address_string(), format % args)
@@ -214,9 +218,16 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         elif self.path.rstrip("/") == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [
-                {"id": name, "object": "model", "created": app.created, "owned_by": "dflash2"}
-                for name in app.model_names]})
+            self._send_json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": name, "object": "model", "created": app.created, "owned_by": "dflash2"}
+                        for name in app.model_names
+                    ],
+                },
+            )
         elif self.path == "/health":
             self._send_health()
         else:
@@ -227,21 +238,36 @@ class Handler(BaseHTTPRequestHandler):
         app = self.app
         worker = app.worker
         alive = worker.thread.is_alive()
-        self._send_json(200 if alive else 503, {
-            "status": "ok" if alive else "unavailable", "model": app.model_id,
-            "served_model_names": app.model_names,
-            "verify_mode": app.defaults.verify_mode, "queued": worker.jobs.qsize(),
-            "running": worker.running is not None, "active": len(worker.active),
-            "batch": {"size": worker.batch_size, "max_size": worker.batch_size_max,
-                      "batched_steps": worker.batched_steps, "decode_concurrency": worker.decode_concurrency},
-            "prompt_cache": worker.cache_info, "sharded": app.sharded,
-            "memory": {"active_gb": round(mx.get_active_memory() / 1e9, 4),
-                       "peak_gb": round(mx.get_peak_memory() / 1e9, 4)}})
+        self._send_json(
+            200 if alive else 503,
+            {
+                "status": "ok" if alive else "unavailable",
+                "model": app.model_id,
+                "served_model_names": app.model_names,
+                "verify_mode": app.defaults.verify_mode,
+                "queued": worker.jobs.qsize(),
+                "running": worker.running is not None,
+                "active": len(worker.active),
+                "batch": {
+                    "size": worker.batch_size,
+                    "max_size": worker.batch_size_max,
+                    "batched_steps": worker.batched_steps,
+                    "decode_concurrency": worker.decode_concurrency,
+                },
+                "prompt_cache": worker.cache_info,
+                "sharded": app.sharded,
+                "memory": {
+                    "active_gb": round(mx.get_active_memory() / 1e9, 4),
+                    "peak_gb": round(mx.get_peak_memory() / 1e9, 4),
+                },
+            },
+        )
 
     def do_POST(self):
         path = self.path.rstrip("/")
-        parse, self.reply_class = ENDPOINTS.get(path, (None, messages_api.MessagesReply if path == COUNT_TOKENS
-                                                       else Reply))
+        parse, self.reply_class = ENDPOINTS.get(
+            path, (None, messages_api.MessagesReply if path == COUNT_TOKENS else Reply)
+        )
         job = None
         try:
             self._check_key()
@@ -253,9 +279,14 @@ class Handler(BaseHTTPRequestHandler):
             job = Job(request.prompt, request.generation, time.monotonic() + self.app.request_timeout)
             if not self.app.worker.submit(job):
                 wait = self.app.worker.retry_after()
-                raise ApiError(503, f"the server is busy: its queue ({self.app.worker.jobs.maxsize} requests) is "
-                               f"full; retry in {wait} s", kind="server_error", code="queue_full",
-                               headers={"Retry-After": wait})
+                raise ApiError(
+                    503,
+                    f"the server is busy: its queue ({self.app.worker.jobs.maxsize} requests) is "
+                    f"full; retry in {wait} s",
+                    kind="server_error",
+                    code="queue_full",
+                    headers={"Retry-After": wait},
+                )
             self._answer(self.reply_class(request, self.app.tokenizer), job)
         except ApiError as e:
             self._send_error(e)
@@ -274,14 +305,18 @@ class Handler(BaseHTTPRequestHandler):
         limit = self.app.settings.max_body_bytes
         if int(length) > limit:
             self.close_connection = True
-            raise ApiError(413, f"the request body ({length} bytes) is over the server's limit of {limit} bytes "
-                           "(--max-body-bytes)")
+            raise ApiError(
+                413, f"the request body ({length} bytes) is over the server's limit of {limit} bytes (--max-body-bytes)"
+            )
         try:
             raw = self.rfile.read(int(length))
         except TimeoutError:
             self.close_connection = True
-            raise ApiError(408, f"the request body did not arrive within {self.app.settings.read_timeout:g} s "
-                           "(--read-timeout)", code="timeout") from None
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {self.app.settings.read_timeout:g} s (--read-timeout)",
+                code="timeout",
+            ) from None
         self._reading_done()
         if len(raw) < int(length):
             self.close_connection = True
@@ -299,13 +334,20 @@ class Handler(BaseHTTPRequestHandler):
         for event in self._events(job):
             if event[0] == "error":
                 e = event[1]
-                raise ApiError(400 if isinstance(e, ValueError) else 500, f"generation failed: {e}",
-                               kind="invalid_request_error" if isinstance(e, ValueError) else "server_error")
+                raise ApiError(
+                    400 if isinstance(e, ValueError) else 500,
+                    f"generation failed: {e}",
+                    kind="invalid_request_error" if isinstance(e, ValueError) else "server_error",
+                )
             if event[0] == "end":
                 if event[1] == "timeout":
-                    raise ApiError(504, f"the request ran past its timeout ({self.app.request_timeout:g} s) and "
-                                   f"was stopped after {sum(len(r.tokens) for r in records)} tokens",
-                                   kind="server_error", code="timeout")
+                    raise ApiError(
+                        504,
+                        f"the request ran past its timeout ({self.app.request_timeout:g} s) and "
+                        f"was stopped after {sum(len(r.tokens) for r in records)} tokens",
+                        kind="server_error",
+                        code="timeout",
+                    )
                 if event[1] == "cancelled" and finish is None:  # neither a stop string nor this client: shutdown
                     raise ApiError(503, "the server is shutting down", kind="server_error", code="shutdown")
                 usage, stats = self._usage_and_stats(records, event[2], job.batch_size)
@@ -328,8 +370,9 @@ class Handler(BaseHTTPRequestHandler):
         raise ClientGone  # not reached: _events ends with an "end" or "error" event
 
     def _usage_and_stats(self, records, cached: int, batch_size: int) -> tuple[dict, dict]:
-        return responses.usage_and_stats(records, cached, self.app.worker.drafter, self.app.defaults.block_size,
-                                         batch_size)
+        return responses.usage_and_stats(
+            records, cached, self.app.worker.drafter, self.app.defaults.block_size, batch_size
+        )
 
     def _answer(self, reply: Reply, job: Job) -> None:
         """Generate the job and answer with `reply`: one JSON body, or server-sent events as the text comes (the

@@ -43,9 +43,16 @@ REFUSED_FIELDS = {
 }
 
 # Anthropic's error types, by HTTP status
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-               504: "timeout_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 CHAT_NAMES = {"stop": "stop_sequences"}  # chat's field names, as this API names them in errors
 
@@ -74,8 +81,7 @@ def parse(parser: RequestParser, body, count_only: bool = False) -> CompletionRe
     stops = body.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise ApiError(400, "'stop_sequences' must be a list of strings", param="stop_sequences")
-    chat = {key: body[key] for key in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k")
-            if key in body}
+    chat = {key: body[key] for key in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k") if key in body}
     chat.update(messages=_messages(body), stop=stops, **_tools(body), **_thinking(body))
     if count_only:
         chat.update(max_tokens=1, stream=False)
@@ -97,16 +103,18 @@ def _thinking(body: dict) -> dict:
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "adaptive", "disabled"):
-            raise ApiError(400, "'thinking' must be {\"type\": \"enabled\" | \"adaptive\" | \"disabled\"}",
-                           param="thinking")
+            raise ApiError(400, '\'thinking\' must be {"type": "enabled" | "adaptive" | "disabled"}', param="thinking")
         kwargs["enable_thinking"] = kind != "disabled"
     config = body.get("output_config")
     if config is not None:
         if not isinstance(config, dict):
             raise ApiError(400, "'output_config' must be an object", param="output_config")
         if config.get("format") is not None:
-            raise ApiError(400, "'output_config.format' cannot be honoured: the text is not constrained to a "
-                           "schema here", param="output_config")
+            raise ApiError(
+                400,
+                "'output_config.format' cannot be honoured: the text is not constrained to a schema here",
+                param="output_config",
+            )
         if config.get("effort") is not None:
             kwargs["reasoning_effort"] = config["effort"]
     return {"chat_template_kwargs": kwargs} if kwargs else {}
@@ -118,25 +126,35 @@ def _tools(body: dict) -> dict:
     out = {}
     if tools is not None:
         if not isinstance(tools, list):
-            raise ApiError(400, "'tools' must be a list of {'name', 'description', 'input_schema'} objects",
-                           param="tools")
+            raise ApiError(
+                400, "'tools' must be a list of {'name', 'description', 'input_schema'} objects", param="tools"
+            )
         out["tools"] = [_tool(i, tool) for i, tool in enumerate(tools)]
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in ("auto", "none"):
-            raise ApiError(400, f"'tool_choice' must be {{\"type\": \"auto\"}} or {{\"type\": \"none\"}}, got "
-                           f"{json.dumps(choice)}: this server cannot force a tool call", param="tool_choice")
+            raise ApiError(
+                400,
+                f'\'tool_choice\' must be {{"type": "auto"}} or {{"type": "none"}}, got '
+                f"{json.dumps(choice)}: this server cannot force a tool call",
+                param="tool_choice",
+            )
         out["tool_choice"] = kind
     return out
 
 
 def _tool(i: int, tool) -> dict:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-        raise ApiError(400, f"tools[{i}] must be {{'name': ..., 'description': ..., 'input_schema': ...}}",
-                       param="tools")
+        raise ApiError(
+            400, f"tools[{i}] must be {{'name': ..., 'description': ..., 'input_schema': ...}}", param="tools"
+        )
     if tool.get("type") not in (None, "custom"):
-        raise ApiError(400, f"tools[{i}] is Anthropic's server tool {tool['type']!r}, which this server does not "
-                       "run: define it as a custom tool (name, description, input_schema)", param="tools")
+        raise ApiError(
+            400,
+            f"tools[{i}] is Anthropic's server tool {tool['type']!r}, which this server does not "
+            "run: define it as a custom tool (name, description, input_schema)",
+            param="tools",
+        )
     function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
@@ -159,7 +177,7 @@ def _messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
-            raise ApiError(400, f"messages[{i}].role must be \"user\" or \"assistant\"", param="messages")
+            raise ApiError(400, f'messages[{i}].role must be "user" or "assistant"', param="messages")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -168,16 +186,24 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(400, f"messages[{i}].content must be a string or a list of blocks", param="messages")
         out += _assistant(i, content, names) if role == "assistant" else _user(i, content, names)
     if messages[-1].get("role") == "assistant":
-        raise ApiError(400, "'messages' ends with the assistant's turn: this server does not continue a "
-                       "prefilled answer; end with a user message", param="messages")
+        raise ApiError(
+            400,
+            "'messages' ends with the assistant's turn: this server does not continue a "
+            "prefilled answer; end with a user message",
+            param="messages",
+        )
     return out
 
 
 def _block(i: int, j: int, block, kinds: tuple[str, ...]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind not in kinds:
-        raise ApiError(400, f"messages[{i}].content[{j}] is a {kind!r} block: this server takes "
-                       f"{', '.join(kinds)} blocks here (text only, no images or documents)", param="messages")
+        raise ApiError(
+            400,
+            f"messages[{i}].content[{j}] is a {kind!r} block: this server takes "
+            f"{', '.join(kinds)} blocks here (text only, no images or documents)",
+            param="messages",
+        )
     return kind
 
 
@@ -194,10 +220,19 @@ def _user(i: int, content: list, names: dict) -> list[dict]:
             result = "".join(part.get("text", "") for part in result)
         call = block.get("tool_use_id")
         if not isinstance(result, str) or not isinstance(call, str):
-            raise ApiError(400, f"messages[{i}].content[{j}] must be {{'type': 'tool_result', 'tool_use_id': ..., "
-                           "'content': text}", param="messages")
-        results.append({"role": "tool", "tool_call_id": call, "content": result,
-                        **({"name": names[call]} if call in names else {})})
+            raise ApiError(
+                400,
+                f"messages[{i}].content[{j}] must be {{'type': 'tool_result', 'tool_use_id': ..., 'content': text}}",
+                param="messages",
+            )
+        results.append(
+            {
+                "role": "tool",
+                "tool_call_id": call,
+                "content": result,
+                **({"name": names[call]} if call in names else {}),
+            }
+        )
     return results + ([{"role": "user", "content": texts}] if texts or not results else [])
 
 
@@ -211,11 +246,20 @@ def _assistant(i: int, content: list, names: dict) -> list[dict]:
             reasoning += block.get("thinking") or ""
         elif kind == "tool_use":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
-                raise ApiError(400, f"messages[{i}].content[{j}] must be {{'type': 'tool_use', 'id': ..., 'name': "
-                               "..., 'input': {...}}", param="messages")
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content[{j}] must be {{'type': 'tool_use', 'id': ..., 'name': "
+                    "..., 'input': {...}}",
+                    param="messages",
+                )
             names[block["id"]] = block["name"]
-            calls.append({"id": block["id"], "type": "function", "function": {
-                "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})},
+                }
+            )
     message["content"] = texts
     if calls:
         message["tool_calls"] = calls
@@ -242,9 +286,16 @@ class MessagesReply(Reply):
         return [("error", self.error_body(e))]
 
     def _message(self, content: list, stop_reason: str | None, stop: str | None, output_tokens: int) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.request.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop,
-                "usage": {"input_tokens": len(self.request.prompt), "output_tokens": output_tokens}}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.request.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop,
+            "usage": {"input_tokens": len(self.request.prompt), "output_tokens": output_tokens},
+        }
 
     def _stop_reason(self, outcome: Outcome) -> str:
         if outcome.finish == "length":
@@ -269,18 +320,25 @@ class MessagesReply(Reply):
         events = []
         for change, index, value in changes:
             if change == "start":
-                events.append(("content_block_start", {"type": "content_block_start", "index": index,
-                                                       "content_block": self._content(value, False)}))
+                events.append(
+                    (
+                        "content_block_start",
+                        {"type": "content_block_start", "index": index, "content_block": self._content(value, False)},
+                    )
+                )
                 if value["kind"] == "call":
                     delta = {"type": "input_json_delta", "partial_json": value["call"]["function"]["arguments"]}
-                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                           "delta": delta}))
+                    events.append(
+                        ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                    )
             elif change == "delta":
                 kind = self.blocks.blocks[index]["kind"]
-                delta = {"type": "thinking_delta", "thinking": value} if kind == "reasoning" else \
-                    {"type": "text_delta", "text": value}
-                events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                       "delta": delta}))
+                delta = (
+                    {"type": "thinking_delta", "thinking": value}
+                    if kind == "reasoning"
+                    else {"type": "text_delta", "text": value}
+                )
+                events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
             else:
                 events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
         return events
@@ -296,12 +354,16 @@ class MessagesReply(Reply):
         events = self._events(self.blocks.add(self.states.finish()) + self.blocks.close())
         delta = {"stop_reason": self._stop_reason(outcome), "stop_sequence": outcome.stop}
         usage = {"output_tokens": outcome.usage["completion_tokens"]}
-        return [*events, ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage,
-                                            "dflash": outcome.stats}),
-                ("message_stop", {"type": "message_stop"})]
+        return [
+            *events,
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage, "dflash": outcome.stats}),
+            ("message_stop", {"type": "message_stop"}),
+        ]
 
     def body(self, outcome: Outcome) -> dict:
         self.blocks.add(self.states.finish())
         content = [self._content(block, True) for block in self.blocks.blocks]
-        return {**self._message(content, self._stop_reason(outcome), outcome.stop,
-                                outcome.usage["completion_tokens"]), "dflash": outcome.stats}
+        return {
+            **self._message(content, self._stop_reason(outcome), outcome.stop, outcome.usage["completion_tokens"]),
+            "dflash": outcome.stats,
+        }

@@ -46,17 +46,17 @@ IGNORED_FIELDS = {
     "service_tier": "OpenAI's processing tiers: one here",
     "parallel_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
     "role_mapping": "mlx_lm.server's prompt format for templateless models, which it ignores where the tokenizer "
-                    "has a chat template: chat here needs one (a templateless model serves /v1/completions)",
+    "has a chat template: chat here needs one (a templateless model serves /v1/completions)",
     "response_format": "OpenAI's structured output: the text is not constrained (mlx_lm.server does not read it)",
 }
 
 REFUSED_FIELDS = {
     "draft_model": "this server drafts with the drafter it was started with (--draft-model): leave draft_model "
-                   "unset (or \"default_model\")",
+    'unset (or "default_model")',
     "num_draft_tokens": "the draft length is the server's --block-size (B drafts B - 1 tokens per cycle): leave "
-                        "num_draft_tokens unset (or give that length)",
+    "num_draft_tokens unset (or give that length)",
     "adapters": "this server loads no adapters per request: fuse the adapter into the model (mlx_lm.fuse) and "
-                "serve the fused model",
+    "serve the fused model",
 }
 
 # keys the server gives the chat template itself: a request's chat_template_kwargs may not set them
@@ -66,8 +66,15 @@ TEMPLATE_OWN_KWARGS = ("add_generation_prompt", "tools", "tokenize", "return_dic
 class ApiError(Exception):
     """An OpenAI-style error: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -122,8 +129,10 @@ class GenerationArguments:
         """
         unknown = sorted(set(kwargs) - {f.name for f in fields(cls)})
         if unknown:
-            raise TypeError(f"{', '.join(unknown)}: not generation arguments (stream_cycles' keyword arguments "
-                            f"and logprobs: {', '.join(f.name for f in fields(cls))})")
+            raise TypeError(
+                f"{', '.join(unknown)}: not generation arguments (stream_cycles' keyword arguments "
+                f"and logprobs: {', '.join(f.name for f in fields(cls))})"
+            )
         return cls(**kwargs)
 
     def cycle_kwargs(self) -> dict:
@@ -162,9 +171,16 @@ class RequestParser:
             request's `chat_template_kwargs` update.
     """
 
-    def __init__(self, tokenizer, defaults: GenerationArguments, model_names: Sequence[str], vocab_size: int,
-                 context_length: int | None, draft_tokens: int | None = None,
-                 chat_template_args: Mapping | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        defaults: GenerationArguments,
+        model_names: Sequence[str],
+        vocab_size: int,
+        context_length: int | None,
+        draft_tokens: int | None = None,
+        chat_template_args: Mapping | None = None,
+    ):
         self.tokenizer, self.defaults, self.model_names = tokenizer, defaults, list(model_names)
         self.vocab_size, self.context_length, self.draft_tokens = vocab_size, context_length, draft_tokens
         self.chat_template_args = dict(chat_template_args or {})
@@ -215,17 +231,33 @@ class RequestParser:
         prompt = self._prompt(kind, body, tools)
         n, context = len(prompt), self.context_length
         if context is not None and n >= context:
-            raise ApiError(400, f"the prompt is {n} tokens, and this model's context is {context} tokens: "
-                           "shorten the prompt", param="messages" if kind == "chat" else "prompt",
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt is {n} tokens, and this model's context is {context} tokens: shorten the prompt",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
         if context is not None and limit is not None and n + limit > context:
-            raise ApiError(400, f"the prompt ({n} tokens) plus max_tokens ({limit}) exceed this model's context "
-                           f"({context} tokens): lower max_tokens to {context - n} or less",
-                           param="max_tokens", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt ({n} tokens) plus max_tokens ({limit}) exceed this model's context "
+                f"({context} tokens): lower max_tokens to {context - n} or less",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if limit is None:
             limit = d.max_tokens if context is None else min(d.max_tokens, context - n)
-        generation = replace(d, max_tokens=limit, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                             logits_processors=processors, logprobs=logprobs)
+        generation = replace(
+            d,
+            max_tokens=limit,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            logits_processors=processors,
+            logprobs=logprobs,
+        )
         if sampler is not None:  # mlx-lm's XTC sampler, drawn from as mlx-lm draws: plain decoding
             generation = replace(generation, sampler=sampler, verify_mode="off")
         return CompletionRequest(kind, model, prompt, generation, stream, include_usage, tuple(stop), tools)
@@ -237,8 +269,12 @@ class RequestParser:
             return self.model_names[0]
         if model not in self.model_names:
             served = ", ".join(repr(name) for name in self.model_names)
-            raise ApiError(404, f"the model {model!r} does not exist here: this server serves {served} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist here: this server serves {served} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         return model
 
     def _processors(self, body: dict) -> list:
@@ -256,36 +292,56 @@ class RequestParser:
             ids = [int(k) if isinstance(k, str) and k.strip().isdigit() else -1 for k in bias]
             numbers = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()]
             if not all(numbers) or not all(0 <= i < self.vocab_size for i in ids):
-                raise ApiError(400, "'logit_bias' must map token ids (as strings, each below the vocabulary size "
-                               f"{self.vocab_size}) to numbers, e.g. {{\"42\": -100}}", param="logit_bias")
+                raise ApiError(
+                    400,
+                    "'logit_bias' must map token ids (as strings, each below the vocabulary size "
+                    f'{self.vocab_size}) to numbers, e.g. {{"42": -100}}',
+                    param="logit_bias",
+                )
             bias = {i: float(v) for i, v in zip(ids, bias.values())}
-        return make_logits_processors(logit_bias=bias, repetition_penalty=penalty, repetition_context_size=size,
-                                      presence_penalty=presence, presence_context_size=presence_size,
-                                      frequency_penalty=frequency, frequency_context_size=frequency_size)
+        return make_logits_processors(
+            logit_bias=bias,
+            repetition_penalty=penalty,
+            repetition_context_size=size,
+            presence_penalty=presence,
+            presence_context_size=presence_size,
+            frequency_penalty=frequency,
+            frequency_context_size=frequency_size,
+        )
 
     def _xtc_sampler(self, body: dict, temp, top_p, top_k, min_p):
         """mlx_lm.server's sampler for a request with `xtc_probability` > 0 (and `xtc_threshold`, default 0.1),
         made as it makes it; None without XTC, or at temperature 0, where mlx-lm's sampler is greedy and XTC
         changes nothing."""
-        probability = _field(body, "xtc_probability", (int, float), 0.0, lambda v: 0 <= v <= 1,
-                             expect="a number in 0..1")
-        threshold = _field(body, "xtc_threshold", (int, float), 0.1, lambda v: 0 <= v <= 1,
-                           expect="a number in 0..1")
+        probability = _field(
+            body, "xtc_probability", (int, float), 0.0, lambda v: 0 <= v <= 1, expect="a number in 0..1"
+        )
+        threshold = _field(body, "xtc_threshold", (int, float), 0.1, lambda v: 0 <= v <= 1, expect="a number in 0..1")
         if probability == 0 or temp == 0:
             return None
         special = list(self.tokenizer.encode("\n")) + list(self.tokenizer.eos_token_ids)  # mlx_lm.server's
-        return make_sampler(temp, top_p=top_p, top_k=top_k, min_p=min_p, xtc_probability=float(probability),
-                            xtc_threshold=float(threshold), xtc_special_tokens=special)
+        return make_sampler(
+            temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            xtc_probability=float(probability),
+            xtc_threshold=float(threshold),
+            xtc_special_tokens=special,
+        )
 
     def _refused(self, body: dict) -> None:
         """A 400 for `REFUSED_FIELDS` that ask for what this server does not do."""
-        asked = {"draft_model": body.get("draft_model") not in (None, "default_model"),
-                 "num_draft_tokens": body.get("num_draft_tokens") not in (None, self.draft_tokens),
-                 "adapters": body.get("adapters") is not None}
+        asked = {
+            "draft_model": body.get("draft_model") not in (None, "default_model"),
+            "num_draft_tokens": body.get("num_draft_tokens") not in (None, self.draft_tokens),
+            "adapters": body.get("adapters") is not None,
+        }
         for name, refused in asked.items():
             if refused:
-                raise ApiError(400, f"'{name}' ({json.dumps(body[name])}) cannot be honoured: "
-                               f"{REFUSED_FIELDS[name]}", param=name)
+                raise ApiError(
+                    400, f"'{name}' ({json.dumps(body[name])}) cannot be honoured: {REFUSED_FIELDS[name]}", param=name
+                )
 
     def _template_kwargs(self, body: dict) -> dict:
         """The chat template's keyword arguments: --chat-template-args, updated by the request's
@@ -296,11 +352,18 @@ class RequestParser:
         asked = _field(body, "chat_template_kwargs", dict, {}, expect="an object of keyword arguments")
         own = sorted(set(asked) & set(TEMPLATE_OWN_KWARGS))
         if own:
-            raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(own)}: the server passes "
-                           f"{', '.join(TEMPLATE_OWN_KWARGS)} itself", param="chat_template_kwargs")
+            raise ApiError(
+                400,
+                f"'chat_template_kwargs' may not set {', '.join(own)}: the server passes "
+                f"{', '.join(TEMPLATE_OWN_KWARGS)} itself",
+                param="chat_template_kwargs",
+            )
         effort = _field(body, "reasoning_effort", str, None, expect='a string ("none", "low", "medium", "high", ...)')
-        effort = {} if effort is None else {"reasoning_effort": effort, **({"enable_thinking": False}
-                                                                          if effort == "none" else {})}
+        effort = (
+            {}
+            if effort is None
+            else {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {})}
+        )
         return {**self.chat_template_args, **effort, **asked}
 
     def _prompt(self, kind: str, body: dict, tools: list | None = None) -> list[int]:
@@ -315,14 +378,12 @@ class RequestParser:
                 raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
             kwargs = self._template_kwargs(body)
             try:
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                                         **kwargs)
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **kwargs)
             except Exception as e:  # the template's own checks (role order, ...) speak for themselves
                 raise ApiError(400, f"the chat template refused the messages: {e}", param="messages") from None
             return list(ids)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not all(0 <= t < self.vocab_size for t in prompt):
                 raise ApiError(400, f"'prompt' token ids must be in 0..{self.vocab_size - 1}", param="prompt")
             return prompt
@@ -349,8 +410,14 @@ def _logprobs(kind: str, body: dict) -> int | None:
     """How many top tokens each generated token's logprobs list (0: its own logprob only), None for none. Chat:
     OpenAI's `logprobs` (true or false) and `top_logprobs` (0..20, with logprobs true); completions: `logprobs` N
     (0..20; true, as mlx_lm.server takes it, is `top_logprobs` or 0)."""
-    top = _field(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                 expect=f"an integer in 0..{MAX_TOP_LOGPROBS}")
+    top = _field(
+        body,
+        "top_logprobs",
+        int,
+        None,
+        lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+        expect=f"an integer in 0..{MAX_TOP_LOGPROBS}",
+    )
     if kind == "chat":
         wanted = _field(body, "logprobs", bool, False, expect="true or false")
         if top is not None and not wanted:
@@ -370,19 +437,29 @@ def _request_tools(body: dict, tokenizer) -> list | None:
     tools = _field(body, "tools", list, None, expect="a list of {'type': 'function', 'function': ...} objects")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        raise ApiError(400, f"'tool_choice' must be \"auto\" or \"none\", got {json.dumps(choice)}: this server "
-                       "cannot force a tool call", param="tool_choice")
+        raise ApiError(
+            400,
+            f'\'tool_choice\' must be "auto" or "none", got {json.dumps(choice)}: this server cannot force a tool call',
+            param="tool_choice",
+        )
     if not tools or choice == "none":
         return None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         named = isinstance(function, dict) and isinstance(function.get("name"), str)
         if not named or tool.get("type") != "function":
-            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                           "...}}", param="tools")
+            raise ApiError(
+                400,
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
+                param="tools",
+            )
     if not getattr(tokenizer, "has_tool_calling", False):
-        raise ApiError(400, "this model's chat template does not support tools (mlx-lm knows no tool-call format "
-                       "for it): leave 'tools' unset, or serve a model whose template takes them", param="tools")
+        raise ApiError(
+            400,
+            "this model's chat template does not support tools (mlx-lm knows no tool-call format "
+            "for it): leave 'tools' unset, or serve a model whose template takes them",
+            param="tools",
+        )
     return tools
 
 
@@ -395,10 +472,12 @@ def _message_text(i: int, message) -> tuple[str, str]:
     if content is None:
         content = ""
     if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} "
-                           "(this server takes text only)", param="messages")
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(
+                400,
+                f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} (this server takes text only)",
+                param="messages",
+            )
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
@@ -416,21 +495,33 @@ def _chat_message(i: int, message) -> dict:
         if not isinstance(calls, list):
             raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
         out["tool_calls"] = [_template_tool_call(i, call) for call in calls]
-    out.update({key: message[key] for key in ("tool_call_id", "name", "reasoning_content")
-                if isinstance(message.get(key), str)})
+    out.update(
+        {
+            key: message[key]
+            for key in ("tool_call_id", "name", "reasoning_content")
+            if isinstance(message.get(key), str)
+        }
+    )
     return out
 
 
 def _template_tool_call(i: int, call) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise ApiError(400, f"messages[{i}].tool_calls entries must be {{'type': 'function', 'function': "
-                       "{'name': ..., 'arguments': ...}}", param="messages")
+        raise ApiError(
+            400,
+            f"messages[{i}].tool_calls entries must be {{'type': 'function', 'function': "
+            "{'name': ..., 'arguments': ...}}",
+            param="messages",
+        )
     arguments = function.get("arguments")
     if isinstance(arguments, str) and arguments:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
-            raise ApiError(400, f"messages[{i}]: the arguments of the call to {function['name']!r} are not valid "
-                           f"JSON ({e})", param="messages") from None
+            raise ApiError(
+                400,
+                f"messages[{i}]: the arguments of the call to {function['name']!r} are not valid JSON ({e})",
+                param="messages",
+            ) from None
     return {**call, "function": {**function, "arguments": arguments}}

@@ -37,7 +37,7 @@ class StopText:
             at, self.matched = min(hits, key=lambda hit: hit[0])
             return buf[:at], True
         keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        self.held = buf[len(buf) - keep:]
+        self.held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
@@ -72,13 +72,16 @@ class TextStates:
         thinking: whether reasoning is split off (chat answers; completions' text is left whole).
     """
 
-    def __init__(self, tokenizer, tools: list | None, streaming: bool, prompt: Sequence[int] = (),
-                 thinking: bool = True):
+    def __init__(
+        self, tokenizer, tools: list | None, streaming: bool, prompt: Sequence[int] = (), thinking: bool = True
+    ):
         transitions = {}
         thinking = thinking and tokenizer.has_thinking
         if thinking:  # as mlx-lm's make_text_state_machine
-            transitions = {"normal": [(tokenizer.think_start, "reasoning")],
-                           "reasoning": [(tokenizer.think_end, "normal")]}
+            transitions = {
+                "normal": [(tokenizer.think_start, "reasoning")],
+                "reasoning": [(tokenizer.think_end, "normal")],
+            }
         if tools is not None:
             start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
             transitions.setdefault("normal", []).append((start, "tool"))
@@ -192,15 +195,20 @@ class Logprobs:
         """The tokens gathered since the last call, in the request kind's shape."""
         entries, self.pending = self.pending, []
         if self.kind == "chat":
+
             def item(token, logprob):
                 text = self._piece(token)
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
-                                for t, lp, top, _ in entries]}
-        return {"tokens": [self._piece(t) for t, *_ in entries], "token_logprobs": [lp for _, lp, *_ in entries],
-                "top_logprobs": [{**{self._piece(i): v for i, v in top}, self._piece(t): lp}
-                                 for t, lp, top, _ in entries],
-                "text_offset": [offset for *_, offset in entries]}
+
+            return {
+                "content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top, _ in entries]
+            }
+        return {
+            "tokens": [self._piece(t) for t, *_ in entries],
+            "token_logprobs": [lp for _, lp, *_ in entries],
+            "top_logprobs": [{**{self._piece(i): v for i, v in top}, self._piece(t): lp} for t, lp, top, _ in entries],
+            "text_offset": [offset for *_, offset in entries],
+        }
 
 
 def logprobs_of(request: CompletionRequest, tokenizer) -> Logprobs | None:
@@ -225,8 +233,16 @@ def finish_reason(finish: str | None, states: TextStates | None) -> str | None:
     return "tool_calls" if finish == "stop" and states is not None and states.made else finish
 
 
-def choice(request: CompletionRequest, text: str | None, finish: str | None, chunk: bool, first: bool = False,
-           calls: list | None = None, logprobs: Logprobs | None = None, reasoning: str = "") -> dict:
+def choice(
+    request: CompletionRequest,
+    text: str | None,
+    finish: str | None,
+    chunk: bool,
+    first: bool = False,
+    calls: list | None = None,
+    logprobs: Logprobs | None = None,
+    reasoning: str = "",
+) -> dict:
     """The answer's one choice, or a streamed chunk's (`chunk`: a delta; `first`: the chunk that carries the role).
 
     Args:
@@ -248,8 +264,9 @@ def choice(request: CompletionRequest, text: str | None, finish: str | None, chu
     return body
 
 
-def _choice_body(request: CompletionRequest, text: str | None, finish: str | None, chunk: bool, first: bool,
-                 calls: list | None) -> dict:
+def _choice_body(
+    request: CompletionRequest, text: str | None, finish: str | None, chunk: bool, first: bool, calls: list | None
+) -> dict:
     if request.kind == "text":
         return {"index": 0, "text": text or "", "finish_reason": finish}
     if chunk:
@@ -293,8 +310,9 @@ class Reply:
 
     def __init__(self, request: CompletionRequest, tokenizer):
         self.request, self.tokenizer = request, tokenizer
-        self.states = TextStates(tokenizer, request.tools, request.stream, request.prompt,
-                                 thinking=request.kind == "chat")
+        self.states = TextStates(
+            tokenizer, request.tools, request.stream, request.prompt, thinking=request.kind == "chat"
+        )
 
     def start(self) -> list:
         """A stream's first events, sent before the first text's."""
@@ -335,8 +353,11 @@ class ChatReply(Reply):
 
     def _chunk(self, segments, finish: str | None = None, **extra) -> dict:
         reasoning, text, calls = gathered(segments)
-        body = {**base(self.request, self.rid, True), "choices": [
-            choice(self.request, text, finish, True, self.first, calls, self.logprobs, reasoning)], **extra}
+        body = {
+            **base(self.request, self.rid, True),
+            "choices": [choice(self.request, text, finish, True, self.first, calls, self.logprobs, reasoning)],
+            **extra,
+        }
         self.first = False
         return body
 
@@ -352,18 +373,38 @@ class ChatReply(Reply):
         finish = finish_reason(outcome.finish, self.states)
         events = [(None, self._chunk(self.states.finish(), finish, dflash=outcome.stats))]
         if self.request.include_usage:
-            events.append((None, {**base(self.request, self.rid, True), "choices": [], "usage": outcome.usage,
-                                  "dflash": outcome.stats}))
+            events.append(
+                (
+                    None,
+                    {
+                        **base(self.request, self.rid, True),
+                        "choices": [],
+                        "usage": outcome.usage,
+                        "dflash": outcome.stats,
+                    },
+                )
+            )
         return events
 
     def body(self, outcome: Outcome) -> dict:
         for part, got in zip(self.parts, gathered(self.states.finish())):
             part.extend([got] if isinstance(got, str) else got)
         reasoning, text, calls = self.parts
-        body = choice(self.request, "".join(text), finish_reason(outcome.finish, self.states), False, calls=calls,
-                      logprobs=self.logprobs, reasoning="".join(reasoning))
-        return {**base(self.request, self.rid, False), "choices": [body], "usage": outcome.usage,
-                "dflash": outcome.stats}
+        body = choice(
+            self.request,
+            "".join(text),
+            finish_reason(outcome.finish, self.states),
+            False,
+            calls=calls,
+            logprobs=self.logprobs,
+            reasoning="".join(reasoning),
+        )
+        return {
+            **base(self.request, self.rid, False),
+            "choices": [body],
+            "usage": outcome.usage,
+            "dflash": outcome.stats,
+        }
 
 
 class Blocks:
@@ -405,8 +446,9 @@ class Blocks:
         return [("stop", len(self.blocks) - 1, self.blocks[-1])]
 
 
-def usage_and_stats(records: list[CycleResponse], cached: int, drafter, block_size: int | None,
-                    batch_size: int = 0) -> tuple[dict, dict]:
+def usage_and_stats(
+    records: list[CycleResponse], cached: int, drafter, block_size: int | None, batch_size: int = 0
+) -> tuple[dict, dict]:
     """OpenAI's `usage` of a generation and its `dflash` statistics (what ran, and how fast).
 
     Args:
@@ -418,20 +460,35 @@ def usage_and_stats(records: list[CycleResponse], cached: int, drafter, block_si
     """
     completion = sum(len(r.tokens) for r in records)
     prompt = records[0].prompt_tokens if records else 0
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
     if not records:
         return usage, {"cached_tokens": cached}
     result = summarize(records, drafter, block_size)
-    stats = {"verify_mode": result.verify_mode, "tau": result.tau, "cycles": result.cycles,
-             "accepted": sum(result.accepted), "block_size": result.block_size,
-             "plain_tokens": result.plain_tokens, "draft_failures": result.draft_failures,
-             "cached_tokens": cached, "prompt_tps": result.prompt_tps, "generation_tps": result.generation_tps,
-             "batch_size": batch_size}
+    stats = {
+        "verify_mode": result.verify_mode,
+        "tau": result.tau,
+        "cycles": result.cycles,
+        "accepted": sum(result.accepted),
+        "block_size": result.block_size,
+        "plain_tokens": result.plain_tokens,
+        "draft_failures": result.draft_failures,
+        "cached_tokens": cached,
+        "prompt_tps": result.prompt_tps,
+        "generation_tps": result.generation_tps,
+        "batch_size": batch_size,
+    }
     return usage, stats
 
 
 def stats_headers(stats: dict) -> dict:
     """The `X-DFlash-*` headers of a non-streaming answer: the verify mode that ran, its cycles and tau."""
-    return {"X-DFlash-Verify-Mode": stats.get("verify_mode"), "X-DFlash-Cycles": stats.get("cycles"),
-            "X-DFlash-Tau": "" if stats.get("tau") is None else f"{stats['tau']:.3f}"}
+    return {
+        "X-DFlash-Verify-Mode": stats.get("verify_mode"),
+        "X-DFlash-Cycles": stats.get("cycles"),
+        "X-DFlash-Tau": "" if stats.get("tau") is None else f"{stats['tau']:.3f}",
+    }

@@ -42,7 +42,7 @@ IGNORED_FIELDS = {
 
 REFUSED_FIELDS = {
     "previous_response_id": "this server keeps no responses: send the whole conversation in 'input' (the earlier "
-                            "output items, then the new ones)",
+    "output items, then the new ones)",
     "conversation": "this server keeps no conversations: send the whole conversation in 'input'",
     "prompt": "this server keeps no prompt templates: send the text in 'instructions' and 'input'",
     "background": "this server runs no background responses: leave background unset (or false)",
@@ -78,11 +78,17 @@ def parse(parser: RequestParser, body) -> CompletionRequest:
         chat["reasoning_effort"] = effort
     text = body.get("text")
     if text is not None:
-        kind = text.get("format", {}).get("type", "text") if isinstance(text, dict) and \
-            isinstance(text.get("format", {}), dict) else None
+        kind = (
+            text.get("format", {}).get("type", "text")
+            if isinstance(text, dict) and isinstance(text.get("format", {}), dict)
+            else None
+        )
         if kind != "text":
-            raise ApiError(400, "'text.format' must be {\"type\": \"text\"}: the text is not constrained to a "
-                           "schema here", param="text")
+            raise ApiError(
+                400,
+                '\'text.format\' must be {"type": "text"}: the text is not constrained to a schema here',
+                param="text",
+            )
     try:
         return parser.parse("chat", chat)
     except ApiError as e:
@@ -94,7 +100,7 @@ def _reasoning(body: dict) -> str | None:
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
-        raise ApiError(400, "'reasoning' must be an object, e.g. {\"effort\": \"low\"}", param="reasoning")
+        raise ApiError(400, '\'reasoning\' must be an object, e.g. {"effort": "low"}', param="reasoning")
     return reasoning.get("effort")
 
 
@@ -107,14 +113,22 @@ def _tools(body: dict) -> dict:
         out["tools"] = []
         for i, tool in enumerate(tools):
             if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-                raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'name': ..., 'parameters': ...}}: "
-                               "this server runs no built-in tools", param="tools")
+                raise ApiError(
+                    400,
+                    f"tools[{i}] must be {{'type': 'function', 'name': ..., 'parameters': ...}}: "
+                    "this server runs no built-in tools",
+                    param="tools",
+                )
             function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
             out["tools"].append({"type": "function", "function": function})
     if choice is not None:
         if choice not in ("auto", "none"):
-            raise ApiError(400, f"'tool_choice' must be \"auto\" or \"none\", got {json.dumps(choice)}: this "
-                           "server cannot force a tool call", param="tool_choice")
+            raise ApiError(
+                400,
+                f'\'tool_choice\' must be "auto" or "none", got {json.dumps(choice)}: this '
+                "server cannot force a tool call",
+                param="tool_choice",
+            )
         out["tool_choice"] = choice
     return out
 
@@ -128,8 +142,11 @@ def _text(where: str, content) -> str | list:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"{where}.content[{j}] is a {kind!r} part: this server takes text parts only "
-                           "(input_text, output_text)", param="input")
+            raise ApiError(
+                400,
+                f"{where}.content[{j}] is a {kind!r} part: this server takes text parts only (input_text, output_text)",
+                param="input",
+            )
     return [{"type": "text", "text": part["text"]} for part in content]
 
 
@@ -154,8 +171,7 @@ def _messages(body: dict) -> list[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ApiError(400, f"{where}.role must be \"user\", \"system\", \"developer\" or \"assistant\"",
-                               param="input")
+                raise ApiError(400, f'{where}.role must be "user", "system", "developer" or "assistant"', param="input")
             message = {"role": "system" if role == "developer" else role, "content": _text(where, item.get("content"))}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
@@ -163,11 +179,17 @@ def _messages(body: dict) -> list[dict]:
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):
-                raise ApiError(400, f"{where} must be {{'type': 'function_call', 'call_id': ..., 'name': ..., "
-                               "'arguments': ...}", param="input")
+                raise ApiError(
+                    400,
+                    f"{where} must be {{'type': 'function_call', 'call_id': ..., 'name': ..., 'arguments': ...}}",
+                    param="input",
+                )
             names[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name,
-                                                                    "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": item.get("arguments") or "{}"},
+            }
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":  # calls after a message of its go with it
                 last = {"role": "assistant", "content": ""}
@@ -180,16 +202,29 @@ def _messages(body: dict) -> list[dict]:
             if isinstance(output, list):
                 output = _text(where, output)
             if not isinstance(call_id, str) or not isinstance(output, (str, list)):
-                raise ApiError(400, f"{where} must be {{'type': 'function_call_output', 'call_id': ..., 'output': "
-                               "text}", param="input")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": output,
-                        **({"name": names[call_id]} if call_id in names else {})})
+                raise ApiError(
+                    400,
+                    f"{where} must be {{'type': 'function_call_output', 'call_id': ..., 'output': text}}",
+                    param="input",
+                )
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": output,
+                    **({"name": names[call_id]} if call_id in names else {}),
+                }
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
-            raise ApiError(400, f"{where} is a {kind!r} item: this server takes messages, function_call, "
-                           "function_call_output and reasoning items (and keeps nothing to refer to)", param="input")
+            raise ApiError(
+                400,
+                f"{where} is a {kind!r} item: this server takes messages, function_call, "
+                "function_call_output and reasoning items (and keeps nothing to refer to)",
+                param="input",
+            )
     return out
 
 
@@ -215,20 +250,39 @@ class ResponsesReply(Reply):
 
     def _response(self, status: str, outcome: Outcome | None = None) -> dict:
         g, tools = self.request.generation, self.request.tools or []
-        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.request.model, "output": [], "error": None, "incomplete_details": None,
-                "instructions": None, "max_output_tokens": g.max_tokens, "temperature": g.temp, "top_p": g.top_p,
-                "tools": [{"type": "function", **t["function"]} for t in tools], "tool_choice": "auto",
-                "parallel_tool_calls": True, "previous_response_id": None, "store": False,
-                "text": {"format": {"type": "text"}}, "metadata": {}, "usage": None}
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.request.model,
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "max_output_tokens": g.max_tokens,
+            "temperature": g.temp,
+            "top_p": g.top_p,
+            "tools": [{"type": "function", **t["function"]} for t in tools],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "store": False,
+            "text": {"format": {"type": "text"}},
+            "metadata": {},
+            "usage": None,
+        }
         if outcome is not None:
             body["output"] = [self._item(i, block, "completed") for i, block in enumerate(self.blocks.blocks)]
             if status == "incomplete":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
             u = outcome.usage
-            body["usage"] = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-                             "total_tokens": u["total_tokens"],
-                             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}}
+            body["usage"] = {
+                "input_tokens": u["prompt_tokens"],
+                "output_tokens": u["completion_tokens"],
+                "total_tokens": u["total_tokens"],
+                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+            }
             body["dflash"] = outcome.stats
         return body
 
@@ -237,8 +291,14 @@ class ResponsesReply(Reply):
         done, item_id = status == "completed", self.ids[index]
         if block["kind"] == "call":
             call = block["call"]["function"]
-            return {"type": "function_call", "id": item_id, "call_id": block["call"]["id"], "name": call["name"],
-                    "arguments": call["arguments"] if done else "", "status": status}
+            return {
+                "type": "function_call",
+                "id": item_id,
+                "call_id": block["call"]["id"],
+                "name": call["name"],
+                "arguments": call["arguments"] if done else "",
+                "status": status,
+            }
         if block["kind"] == "reasoning":
             content = [{"type": "reasoning_text", "text": block["text"]}] if done else []
             return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
@@ -260,38 +320,86 @@ class ResponsesReply(Reply):
                 prefix = {"call": "fc", "reasoning": "rs", "content": "msg"}[kind]
                 self.ids.append(f"{prefix}_{uuid.uuid4().hex}")
                 item_id = self.ids[index]
-                events.append(self._event("response.output_item.added", output_index=index,
-                                          item=self._item(index, block, "in_progress")))
+                events.append(
+                    self._event(
+                        "response.output_item.added", output_index=index, item=self._item(index, block, "in_progress")
+                    )
+                )
                 if kind == "call":
                     arguments = block["call"]["function"]["arguments"]
-                    events.append(self._event("response.function_call_arguments.delta", item_id=item_id,
-                                              output_index=index, delta=arguments))
-                    events.append(self._event("response.function_call_arguments.done", item_id=item_id,
-                                              output_index=index, arguments=arguments,
-                                              name=block["call"]["function"]["name"]))
+                    events.append(
+                        self._event(
+                            "response.function_call_arguments.delta",
+                            item_id=item_id,
+                            output_index=index,
+                            delta=arguments,
+                        )
+                    )
+                    events.append(
+                        self._event(
+                            "response.function_call_arguments.done",
+                            item_id=item_id,
+                            output_index=index,
+                            arguments=arguments,
+                            name=block["call"]["function"]["name"],
+                        )
+                    )
                 else:
-                    events.append(self._event("response.content_part.added", item_id=item_id, output_index=index,
-                                              content_index=0, part=self._part("", kind)))
+                    events.append(
+                        self._event(
+                            "response.content_part.added",
+                            item_id=item_id,
+                            output_index=index,
+                            content_index=0,
+                            part=self._part("", kind),
+                        )
+                    )
                 continue
             item_id = self.ids[index]
             text_event = "response.reasoning_text" if kind == "reasoning" else "response.output_text"
             extra = {} if kind == "reasoning" else {"logprobs": []}
             if change == "delta":
-                events.append(self._event(f"{text_event}.delta", item_id=item_id, output_index=index,
-                                          content_index=0, delta=value, **extra))
+                events.append(
+                    self._event(
+                        f"{text_event}.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        delta=value,
+                        **extra,
+                    )
+                )
                 continue
             if kind != "call":
-                events.append(self._event(f"{text_event}.done", item_id=item_id, output_index=index,
-                                          content_index=0, text=block["text"], **extra))
-                events.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
-                                          content_index=0, part=self._part(block["text"], kind)))
-            events.append(self._event("response.output_item.done", output_index=index,
-                                      item=self._item(index, block, "completed")))
+                events.append(
+                    self._event(
+                        f"{text_event}.done",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        text=block["text"],
+                        **extra,
+                    )
+                )
+                events.append(
+                    self._event(
+                        "response.content_part.done",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        part=self._part(block["text"], kind),
+                    )
+                )
+            events.append(
+                self._event("response.output_item.done", output_index=index, item=self._item(index, block, "completed"))
+            )
         return events
 
     def start(self) -> list:
-        return [self._event("response.created", response=self._response("in_progress")),
-                self._event("response.in_progress", response=self._response("in_progress"))]
+        return [
+            self._event("response.created", response=self._response("in_progress")),
+            self._event("response.in_progress", response=self._response("in_progress")),
+        ]
 
     def feed(self, text: str) -> list:
         events = self._events(self.blocks.add(self.states.feed(text)))

@@ -64,12 +64,14 @@ def token_logprobs(rows: mx.array, tokens: list[int], n: int) -> list[tuple[floa
     top = mx.argpartition(-rows, kth=max(n, 1) - 1, axis=-1)[:, :n]
     values = mx.take_along_axis(rows, top, axis=-1)
     mx.eval(chosen, top, values)
-    return [(c, sorted(zip(i, v), key=lambda p: -p[1]))
-            for c, i, v in zip(chosen.tolist(), top.tolist(), values.tolist())]
+    return [
+        (c, sorted(zip(i, v), key=lambda p: -p[1])) for c, i, v in zip(chosen.tolist(), top.tolist(), values.tolist())
+    ]
 
 
-def relayed_cycles(model, tokenizer, prompt, drafter=None, *, generation: GenerationArguments,
-                   prompt_cache: PromptCache | None = None):
+def relayed_cycles(
+    model, tokenizer, prompt, drafter=None, *, generation: GenerationArguments, prompt_cache: PromptCache | None = None
+):
     """The worker's generation: `stream_cycles`' records as `Record`s.
 
     Args:
@@ -77,16 +79,16 @@ def relayed_cycles(model, tokenizer, prompt, drafter=None, *, generation: Genera
         generation: `stream_cycles`' other keyword arguments; its `logprobs` N (None: none) reads each token's
             log-probability and the N best of its row, one host read per cycle, only for requests that ask.
     """
-    records = stream_cycles(model, tokenizer, prompt, drafter, prompt_cache=prompt_cache,
-                            **generation.cycle_kwargs())
+    records = stream_cycles(model, tokenizer, prompt, drafter, prompt_cache=prompt_cache, **generation.cycle_kwargs())
     n = generation.logprobs
     try:
         for r in records:
             numbers = None
             if n is not None and r.logprobs is not None and r.tokens:
                 numbers = token_logprobs(r.logprobs, r.tokens, n)
-            yield Record(**{**{f.name: getattr(r, f.name) for f in fields(r)}, "logprobs": None},
-                         token_logprobs=numbers)
+            yield Record(
+                **{**{f.name: getattr(r, f.name) for f in fields(r)}, "logprobs": None}, token_logprobs=numbers
+            )
     finally:
         records.close()
 
@@ -149,8 +151,18 @@ class Worker:
         decode_concurrency: the most jobs decoded together (1: one at a time, always speculatively).
     """
 
-    def __init__(self, model, tokenizer, drafter, queue_size: int, prompt_cache: bool, *, prompt_cache_size: int = 10,
-                 prompt_cache_bytes: int | None = None, decode_concurrency: int = 32):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter,
+        queue_size: int,
+        prompt_cache: bool,
+        *,
+        prompt_cache_size: int = 10,
+        prompt_cache_bytes: int | None = None,
+        decode_concurrency: int = 32,
+    ):
         if queue_size < 1:
             raise ValueError(f"--queue-size must be at least 1, got {queue_size}")
         if decode_concurrency < 1:
@@ -275,8 +287,12 @@ class Worker:
         caches = self.caches
         if caches is None:
             return {"slots": 0, "bytes": 0, "max_slots": 0, "max_bytes": 0}
-        return {"slots": len(caches), "bytes": caches.nbytes, "max_slots": caches.max_size,
-                "max_bytes": caches.max_bytes}
+        return {
+            "slots": len(caches),
+            "bytes": caches.nbytes,
+            "max_slots": caches.max_size,
+            "max_bytes": caches.max_bytes,
+        }
 
     def _keep(self, slot: PromptCache) -> None:
         if self.caches is not None:
@@ -301,12 +317,20 @@ class Worker:
         if resumed is not None:
             prompt, done = tokens, resumed.generated
             generation = replace(generation, max_tokens=generation.max_tokens - done)
-        plain = generation.verify_mode == "off" or self.drafter is None or \
-            generation.max_context is not None and len(prompt) >= generation.max_context
-        slot = PromptCache() if self.caches is None else \
-            self.caches.take(self.model, None if plain else self.drafter, prompt)
-        records = relayed_cycles(self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot,
-                                 generation=generation)
+        plain = (
+            generation.verify_mode == "off"
+            or self.drafter is None
+            or generation.max_context is not None
+            and len(prompt) >= generation.max_context
+        )
+        slot = (
+            PromptCache()
+            if self.caches is None
+            else self.caches.take(self.model, None if plain else self.drafter, prompt)
+        )
+        records = relayed_cycles(
+            self.model, self.tokenizer, prompt, self.drafter, prompt_cache=slot, generation=generation
+        )
         reason, generated, handover = "finished", done, False
         try:
             for r in records:
@@ -347,9 +371,12 @@ class Worker:
         or until one is left alone with nothing queued for RESUME_GRACE_STEPS steps and at least RESUME_MIN_TOKENS
         to go: then it leaves the batch, to go on speculatively (its entry and its tokens so far, for `_solo`)."""
         # mlx_lm.server's settings: its --decode-concurrency, --prompt-concurrency (8) and --prefill-step-size
-        gen = BatchGenerator(self.model, completion_batch_size=self.decode_concurrency,
-                             prefill_batch_size=min(8, self.decode_concurrency),
-                             prefill_step_size=handover[0].generation.prefill_step_size or 2048)
+        gen = BatchGenerator(
+            self.model,
+            completion_batch_size=self.decode_concurrency,
+            prefill_batch_size=min(8, self.decode_concurrency),
+            prefill_step_size=handover[0].generation.prefill_step_size or 2048,
+        )
         entries: dict[int, Batched] = {}
         alone = 0  # steps since the batch last held more than one request or had a request queued
         try:
@@ -398,16 +425,21 @@ class Worker:
         speculative generation prefills what no slot with the drafter's context holds)."""
         ((uid, e),) = entries.items()
         generation = e.job.generation
-        if self.drafter is None or generation.verify_mode == "off" or not e.prompt_tps or \
-                generation.max_tokens - e.generated < RESUME_MIN_TOKENS:
+        if (
+            self.drafter is None
+            or generation.verify_mode == "off"
+            or not e.prompt_tps
+            or generation.max_tokens - e.generated < RESUME_MIN_TOKENS
+        ):
             return None
         cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
         del entries[uid]
         tokens = list(tokens)
         self._keep(PromptCache.of_target(self.model, tokens, cache))
-        if tokens[:len(e.job.prompt)] != e.job.prompt or len(tokens) != len(e.job.prompt) + e.generated:
-            raise RuntimeError(f"a batched sequence holds {len(tokens)} tokens, not its prompt and its "
-                               f"{e.generated} generated tokens")
+        if tokens[: len(e.job.prompt)] != e.job.prompt or len(tokens) != len(e.job.prompt) + e.generated:
+            raise RuntimeError(
+                f"a batched sequence holds {len(tokens)} tokens, not its prompt and its {e.generated} generated tokens"
+            )
         self.batch_size = 0
         return e, tokens
 
@@ -430,20 +462,32 @@ class Worker:
                 self.caches.trim_to(self.caches.max_bytes - gen.prompt_cache_nbytes)
                 self.cache_info = self._cache_info()
 
-    def _insert(self, gen, entries: dict, job: Job, rest: list[int], cache, covered: list[int], generated: int,
-                cached: int) -> None:
+    def _insert(
+        self, gen, entries: dict, job: Job, rest: list[int], cache, covered: list[int], generated: int, cached: int
+    ) -> None:
         """Put `job` in the batch: `rest` still to run over `cache` (None: a fresh one), which covers `covered`;
         `generated` tokens of it were generated (and sent) before."""
         g = job.generation
-        sampler = g.sampler if g.sampler is not None else \
-            None if not g.temp else make_sampler(g.temp, g.top_p, g.min_p, top_k=g.top_k)
+        sampler = (
+            g.sampler
+            if g.sampler is not None
+            else None
+            if not g.temp
+            else make_sampler(g.temp, g.top_p, g.min_p, top_k=g.top_k)
+        )
         eos = self.tokenizer.eos_token_ids if g.eos_token_ids is None else g.eos_token_ids
-        (uid,) = gen.insert([rest], max_tokens=[g.max_tokens - generated], caches=[cache], all_tokens=[covered],
-                            samplers=[sampler], logits_processors=[list(g.logits_processors or [])],
-                            stop_sequences=[StopSequences([[t] for t in eos])])
+        (uid,) = gen.insert(
+            [rest],
+            max_tokens=[g.max_tokens - generated],
+            caches=[cache],
+            all_tokens=[covered],
+            samplers=[sampler],
+            logits_processors=[list(g.logits_processors or [])],
+            stop_sequences=[StopSequences([[t] for t in eos])],
+        )
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()
-        for t in (covered + rest)[len(job.prompt):]:  # the text sent already
+        for t in (covered + rest)[len(job.prompt) :]:  # the text sent already
             detokenizer.add_token(t)
         _ = detokenizer.last_segment
         entries[uid] = Batched(job, detokenizer, generated, cached, len(rest), time.perf_counter())
@@ -461,7 +505,15 @@ class Worker:
         e.generated += 1
         n = e.job.generation.logprobs
         return Record(
-            text=e.detokenizer.last_segment, tokens=[token], accepted=None, prompt_tokens=len(e.job.prompt),
-            prompt_tps=e.prompt_tps, generation_tokens=e.generated, generation_tps=e.generated / max(now - e.tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, verify_mode="off",
-            token_logprobs=None if n is None else token_logprobs(logprobs[None], [token], n))
+            text=e.detokenizer.last_segment,
+            tokens=[token],
+            accepted=None,
+            prompt_tokens=len(e.job.prompt),
+            prompt_tps=e.prompt_tps,
+            generation_tokens=e.generated,
+            generation_tps=e.generated / max(now - e.tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            verify_mode="off",
+            token_logprobs=None if n is None else token_logprobs(logprobs[None], [token], n),
+        )

@@ -25,8 +25,9 @@ class Batch:
     picked: list[int]  # the samples, one per sequence row
 
 
-def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_id: int,
-               sequences: int | None = None) -> Batch:
+def make_batch(
+    samples: list[Sample], step: int, settings: TrainSettings, mask_id: int, sequences: int | None = None
+) -> Batch:
     """The batch of `step`: a pure function of (seed, step), which makes resumed runs exact."""
     rng = np.random.default_rng([settings.seed, step])
     picked = rng.choice(len(samples), size=sequences or settings.sequences_per_step, replace=False)
@@ -48,8 +49,13 @@ def make_batch(samples: list[Sample], step: int, settings: TrainSettings, mask_i
     anchors = np.stack(anchors)  # [S, A]
     blocks = np.full((anchors.size, B), mask_id, np.int32)
     blocks[:, 0] = np.take_along_axis(tokens, anchors, axis=1).reshape(-1)
-    return Batch(mx.array(tokens), mx.array(blocks), mx.array(np.stack(labels)),
-                 TrainingBlocks(mx.array(anchors)), [int(i) for i in picked])
+    return Batch(
+        mx.array(tokens),
+        mx.array(blocks),
+        mx.array(np.stack(labels)),
+        TrainingBlocks(mx.array(anchors)),
+        [int(i) for i in picked],
+    )
 
 
 def share(batch: Batch, rank: int, size: int) -> Batch:
@@ -61,8 +67,13 @@ def share(batch: Batch, rank: int, size: int) -> Batch:
     seqs = np.arange(rank, S, size)
     rows = (seqs[:, None] * A + np.arange(A)).reshape(-1)
     seqs, rows = mx.array(seqs), mx.array(rows)
-    return Batch(batch.tokens[seqs], batch.blocks[rows], batch.labels[rows], TrainingBlocks(batch.where.anchors[seqs]),
-                 [batch.picked[i] for i in range(rank, S, size)])
+    return Batch(
+        batch.tokens[seqs],
+        batch.blocks[rows],
+        batch.labels[rows],
+        TrainingBlocks(batch.where.anchors[seqs]),
+        [batch.picked[i] for i in range(rank, S, size)],
+    )
 
 
 def training_vocabulary(samples: list[Sample]) -> np.ndarray:

@@ -22,6 +22,7 @@ from ..loading import load_target
 from ..prompts import HELDOUT_EVERY, is_heldout, sharegpt_conversations
 from . import torch_engine
 
+
 def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
     """Token ids of samples `picked`, right-padded with zeros to `length` (default: the longest): [S, length]."""
     length = length or max(len(samples[i].tokens) for i in picked)
@@ -104,8 +105,9 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     if meta_path.exists():
         meta = {**meta, **json.loads(meta_path.read_text())}
         recorded = {**IMPLICIT, **meta["settings"]}
-        differ = {k: (recorded.get(k), v) for k, v in asdict(settings).items()
-                  if k not in GROWABLE and recorded.get(k) != v}
+        differ = {
+            k: (recorded.get(k), v) for k, v in asdict(settings).items() if k not in GROWABLE and recorded.get(k) != v
+        }
         if differ:
             raise ValueError(
                 f"{out} holds data made with other settings ("
@@ -133,8 +135,14 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     decode = _torch_responses if settings.engine == "torch" else _mlx_responses
     shard_size = SHARD_BATCHES * settings.batch_size
     tic, generated, answered, run = time.perf_counter(), 0, 0, len(meta["runs"])
-    with Progress(TextColumn("[bold]data"), BarColumn(), TextColumn("{task.completed}/{task.total} prompts"),
-                  TextColumn("{task.fields[tps]:.0f} tok/s"), TimeRemainingColumn(), disable=not progress) as bar:
+    with Progress(
+        TextColumn("[bold]data"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} prompts"),
+        TextColumn("{task.fields[tps]:.0f} tok/s"),
+        TimeRemainingColumn(),
+        disable=not progress,
+    ) as bar:
         task = bar.add_task("data", total=len(pending), tps=0.0)
         samples = []
         for n, (index, response) in enumerate(decode(model, tokenizer, pending, settings, shard_index), 1):
@@ -165,8 +173,15 @@ def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_inde
     for start in range(0, len(pending), shard_size):
         batch = pending[start : start + shard_size]
         mx.random.seed(settings.seed + shard_index + start // shard_size)
-        result = batch_generate(model, tokenizer, [ids for _, ids, _ in batch], max_tokens=settings.max_new_tokens,
-                                return_token_ids=True, sampler=sampler, completion_batch_size=settings.batch_size)
+        result = batch_generate(
+            model,
+            tokenizer,
+            [ids for _, ids, _ in batch],
+            max_tokens=settings.max_new_tokens,
+            return_token_ids=True,
+            sampler=sampler,
+            completion_batch_size=settings.batch_size,
+        )
         for i, response in enumerate(result.token_ids):
             response = list(response)
             if len(response) < settings.max_new_tokens:
@@ -176,13 +191,24 @@ def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_inde
 
 def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
     """(index into `pending`, response ids), greedy, by `torch_engine.generate_greedy` in finishing order."""
-    yield from torch_engine.generate_greedy(model, [ids for _, ids, _ in pending], settings.max_new_tokens,
-                                            tokenizer.eos_token_ids, slots=settings.batch_size,
-                                            max_prompt_tokens=settings.max_prompt_tokens)
+    yield from torch_engine.generate_greedy(
+        model,
+        [ids for _, ids, _ in pending],
+        settings.max_new_tokens,
+        tokenizer.eos_token_ids,
+        slots=settings.batch_size,
+        max_prompt_tokens=settings.max_prompt_tokens,
+    )
 
 
 def _throughput(settings: DataSettings, prompts: int, tokens: int, seconds: float) -> dict:
     """One run's throughput so far (rewritten after every shard, so an interrupted run still counts)."""
-    return {"engine": settings.engine, "batch_size": settings.batch_size, "prompts": prompts,
-            "response_tokens": tokens, "seconds": round(seconds, 1),
-            "prompts_per_min": round(60 * prompts / seconds, 1), "tokens_per_s": round(tokens / seconds, 1)}
+    return {
+        "engine": settings.engine,
+        "batch_size": settings.batch_size,
+        "prompts": prompts,
+        "response_tokens": tokens,
+        "seconds": round(seconds, 1),
+        "prompts_per_min": round(60 * prompts / seconds, 1),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }

@@ -39,8 +39,14 @@ def acceptance_by_position(accepted: Sequence[int], block_size: int) -> tuple[fl
     return tuple(round(reached[i + 1] / reached[i], 4) if reached[i] else 0.0 for i in range(block_size - 1))
 
 
-def evaluate(drafter: DFlashDraftModel, samples: list[Sample], indices: Sequence[int], settings: TrainSettings,
-             context: Callable[[Batch], mx.array], peers=None) -> Evaluation:
+def evaluate(
+    drafter: DFlashDraftModel,
+    samples: list[Sample],
+    indices: Sequence[int],
+    settings: TrainSettings,
+    context: Callable[[Batch], mx.array],
+    peers=None,
+) -> Evaluation:
     """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position,
     over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
     context rows of a batch (whose `picked` are indices into `samples`). With `peers` (the ranks of a

@@ -21,8 +21,14 @@ from ..sparkline import sparkline
 CURVE_FILE = "curve.csv"
 
 
-def write_drafter(folder: str | Path, config: DraftConfig, weights: dict[str, mx.array], feature_scale: mx.array,
-                  draft_vocab: np.ndarray | None, train_samples: list[Sample]) -> Path:
+def write_drafter(
+    folder: str | Path,
+    config: DraftConfig,
+    weights: dict[str, mx.array],
+    feature_scale: mx.array,
+    draft_vocab: np.ndarray | None,
+    train_samples: list[Sample],
+) -> Path:
     """A drafter folder from trained `weights` (training's names), which took features scaled channel by
     channel by `feature_scale`: the scale is folded into fc, so the folder takes the target's raw features
     like any other. Beside the weights: the draft vocabulary, if any, and the training responses' token
@@ -56,10 +62,12 @@ def write_curve(path: Path, log: list[dict]) -> None:
         last = entry["seconds"]
         losses.append(entry["loss"])
         if "tau" in entry:
-            lines.append(f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
-                         f"{elapsed + last:.1f}"
-                         + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else "")
-                         + f",{entry.get('train_tau', '')}")
+            lines.append(
+                f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
+                f"{elapsed + last:.1f}"
+                + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else "")
+                + f",{entry.get('train_tau', '')}"
+            )
             losses = []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -94,8 +102,11 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
         "target": target_name,
         "architecture": trainer.drafter.config.architecture,
         "settings": asdict(trainer.settings),
-        "data": {"train_samples": len(trainer.train_samples), "heldout_samples": sum(s.heldout for s in data),
-                 "response_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data))},
+        "data": {
+            "train_samples": len(trainer.train_samples),
+            "heldout_samples": sum(s.heldout for s in data),
+            "response_tokens": int(sum(len(s.tokens) - s.prompt_len for s in data)),
+        },
         "steps": trainer.step,
         "processes": trainer.peers.size if getattr(trainer, "peers", None) else 1,  # data-parallel ranks
         "runs": len(runs),
@@ -121,13 +132,24 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
         + (f", data parallel over {card['processes']} processes" if card["processes"] > 1 else ""),
         f"- draft vocabulary: {_draft_vocab_words(trainer, card['draft_vocab'])}",
         f"- held-out acceptance length tau (teacher-forced, T = 0): {card['heldout_tau']}"
-        + (f" (the weights are a moving average, decay {trainer.settings.ema}; the last step's own weights: "
-           f"{card['heldout_tau_raw_weights']})" if card["heldout_tau_raw_weights"] is not None else ""),
-        *([f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} (above the held-out tau "
-           "by what the drafter memorized rather than learned)"] if card["train_tau"] is not None else []),
+        + (
+            f" (the weights are a moving average, decay {trainer.settings.ema}; the last step's own weights: "
+            f"{card['heldout_tau_raw_weights']})"
+            if card["heldout_tau_raw_weights"] is not None
+            else ""
+        ),
+        *(
+            [
+                f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} (above the held-out tau "
+                "by what the drafter memorized rather than learned)"
+            ]
+            if card["train_tau"] is not None
+            else []
+        ),
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "
         f"{min(e['tau'] for e in evals)}..{max(e['tau'] for e in evals)}): {sparkline([e['tau'] for e in evals])}"
-        if evals else "- no evaluation yet",
+        if evals
+        else "- no evaluation yet",
         f"- training time: {card['train_seconds']} s of wall time over {card['runs']} run(s)",
     ]
     (folder / "README.md").write_text("\n".join(lines) + "\n")

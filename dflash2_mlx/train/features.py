@@ -44,8 +44,11 @@ class _ShardFiles:
         self.done = set(marks["done"])  # samples whose features are computed
         self.teacher_done = set(marks.get("teacher", marks["done"]))  # ... and their top-k (before: always both)
         self.maps = {}
-        for name, dtype, cols in (("features", np.float16, width), (f"top{TEACHER_TOP_K}-ids", np.int32, TEACHER_TOP_K),
-                                  (f"top{TEACHER_TOP_K}-logprobs", np.float16, TEACHER_TOP_K)):
+        for name, dtype, cols in (
+            ("features", np.float16, width),
+            (f"top{TEACHER_TOP_K}-ids", np.int32, TEACHER_TOP_K),
+            (f"top{TEACHER_TOP_K}-logprobs", np.float16, TEACHER_TOP_K),
+        ):
             path = folder / f"{shard}.{name}"
             size = rows * cols * np.dtype(dtype).itemsize
             with open(path, "ab") as f:  # created, or grown when a later split of the shard reaches further
@@ -91,15 +94,24 @@ class FeatureCache:
         engine (str): "mlx" or "torch" (see the module's notes).
     """
 
-    def __init__(self, folder: str | Path, samples: list[Sample], target: Target, max_batch_tokens: int = 4096,
-                 teacher: bool = False, fill: bool = True, engine: str = "mlx"):
+    def __init__(
+        self,
+        folder: str | Path,
+        samples: list[Sample],
+        target: Target,
+        max_batch_tokens: int = 4096,
+        teacher: bool = False,
+        fill: bool = True,
+        engine: str = "mlx",
+    ):
         if any(not s.shard for s in samples):
             raise ValueError("the feature cache needs samples read from a data folder (read_shards)")
         if engine not in ("mlx", "torch"):
             raise ValueError(f"the feature cache's engine must be 'mlx' or 'torch', got {engine!r}")
         if engine == "torch" and (target.first_layer or not torch_engine.supported(target.model)):
-            raise ValueError("the torch feature engine runs whole llama or qwen2 targets with full attention: "
-                             "use the mlx engine")
+            raise ValueError(
+                "the torch feature engine runs whole llama or qwen2 targets with full attention: use the mlx engine"
+            )
         self.samples, self.teacher, self.engine = samples, teacher, engine
         self.width = len(target.layer_ids) * target.hidden_size
         suffix = "-torch" if engine == "torch" else ""
@@ -115,6 +127,7 @@ class FeatureCache:
 
     def missing(self) -> list[Sample]:
         """The samples whose features (and top-k, for a teacher cache) are not computed yet."""
+
         def lacks(s: Sample) -> bool:
             files = self.shards[s.shard]
             return s.start not in files.done or (self.teacher and s.start not in files.teacher_done)
@@ -131,14 +144,18 @@ class FeatureCache:
 
         compute = self._torch_compute(target) if self.engine == "torch" else self._mlx_compute(target)
 
-        with Progress(TextColumn("[bold]features"), BarColumn(), TextColumn("{task.completed}/{task.total} samples"),
-                      TimeRemainingColumn()) as bar:
+        with Progress(
+            TextColumn("[bold]features"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} samples"),
+            TimeRemainingColumn(),
+        ) as bar:
             task = bar.add_task("features", total=len(self.samples), completed=len(self.samples) - len(todo))
             while todo:
                 length = len(todo[0].tokens)
                 batch = todo[: max(1, max_batch_tokens // length)]
                 batch = [s for s in batch if len(s.tokens) <= 2 * length] or batch[:1]
-                todo = todo[len(batch):]
+                todo = todo[len(batch) :]
                 features, ids, logprobs = compute(padded_tokens(batch, range(len(batch))))
                 if not np.isfinite(features).all() or np.abs(features).max() > 6e4:
                     raise ValueError("target features overflow float16; train without the feature cache")
@@ -182,7 +199,9 @@ class FeatureCache:
         s = self.samples[sample]
         files = self.shards[s.shard]
         if s.start not in files.teacher_done:
-            raise ValueError("this feature cache was filled without the target's top-k (FeatureCache(..., teacher=True))")
+            raise ValueError(
+                "this feature cache was filled without the target's top-k (FeatureCache(..., teacher=True))"
+            )
         return files.top_ids[s.start + rows], files.top_logprobs[s.start + rows].astype(np.float32)
 
     def row_sample(self, n: int) -> np.ndarray:

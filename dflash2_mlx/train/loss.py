@@ -43,8 +43,19 @@ def loss_weight(labels: mx.array, weights: mx.array) -> mx.array:
     return mx.maximum(mx.sum(weights[None, :] * (labels >= 0)), 1)
 
 
-def loss_fn(drafter: DFlashDraftModel, blocks, context, where, labels, weights, prev_gold, vocab, head_rows,
-            soft: Soft, denominator: mx.array | None = None):
+def loss_fn(
+    drafter: DFlashDraftModel,
+    blocks,
+    context,
+    where,
+    labels,
+    weights,
+    prev_gold,
+    vocab,
+    head_rows,
+    soft: Soft,
+    denominator: mx.array | None = None,
+):
     """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
     vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
     data set uses costs a fraction of one over the full vocabulary, and a token the data never shows

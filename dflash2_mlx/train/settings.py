@@ -53,8 +53,9 @@ class TrainSettings:
 
     def __post_init__(self):
         if not 0 <= self.ema < 1:
-            raise ValueError(f"ema {self.ema} is not a decay: give one in [0, 1), e.g. 0.999 (0 turns the "
-                             "moving average off)")
+            raise ValueError(
+                f"ema {self.ema} is not a decay: give one in [0, 1), e.g. 0.999 (0 turns the moving average off)"
+            )
 
     def loss_gamma(self) -> float:
         if self.gamma is not None:
@@ -79,8 +80,10 @@ def check_world_size(settings: TrainSettings, size: int | None) -> None:
     if size and size > 1 and n % size:
         down, up = n // size * size, -(-n // size) * size
         fixes = " or ".join(f"--sequences-per-step {k}" for k in (down, up) if k)
-        raise ValueError(f"--sequences-per-step {n} does not split over {size} ranks (each takes one in {size} of "
-                         f"a step's sequences): give {fixes}, or launch a number of ranks that divides {n}")
+        raise ValueError(
+            f"--sequences-per-step {n} does not split over {size} ranks (each takes one in {size} of "
+            f"a step's sequences): give {fixes}, or launch a number of ranks that divides {n}"
+        )
 
 
 def settle(settings: TrainSettings, model) -> tuple[TrainSettings, DraftConfig]:
@@ -93,10 +96,17 @@ def settle(settings: TrainSettings, model) -> tuple[TrainSettings, DraftConfig]:
     config = DraftConfig.from_path(resolve_path(settings.init_from))
     config = upgraded(config, settings) if settings.architecture == "dflash2" else config
     if settings.architecture == "v1" and config.is_dflash2:
-        raise ValueError(f"{settings.init_from} is a DFlash 2 drafter; it can be fine-tuned as one (leave out "
-                         "--arch) but not trained as a v1 drafter")
-    settings = replace(settings, architecture="dflash2" if config.is_dflash2 else "v1", block_size=config.block_size,
-                       layers=config.num_hidden_layers, mask_token_id=config.mask_token_id)
+        raise ValueError(
+            f"{settings.init_from} is a DFlash 2 drafter; it can be fine-tuned as one (leave out "
+            "--arch) but not trained as a v1 drafter"
+        )
+    settings = replace(
+        settings,
+        architecture="dflash2" if config.is_dflash2 else "v1",
+        block_size=config.block_size,
+        layers=config.num_hidden_layers,
+        mask_token_id=config.mask_token_id,
+    )
     return settings, config
 
 
@@ -135,6 +145,13 @@ def upgraded(config: DraftConfig, settings: TrainSettings) -> DraftConfig:
     """A v1 drafter's config as a DFlash 2 one (the modules DFlash 2 adds shaped by `settings`)."""
     if config.is_dflash2:
         return config
-    return replace(config, architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16,
-                   selector_rank=settings.selector_rank, selector_top_k=settings.selector_top_k,
-                   selector_factorized=settings.selector_factorized, vocab_size=config.vocab_size)
+    return replace(
+        config,
+        architecture="DFlash2DraftModel",
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=settings.selector_rank,
+        selector_top_k=settings.selector_top_k,
+        selector_factorized=settings.selector_factorized,
+        vocab_size=config.vocab_size,
+    )

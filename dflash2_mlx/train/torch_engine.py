@@ -58,10 +58,13 @@ def supported(model) -> bool:
     """Whether `TorchTarget` runs this mlx-lm model: llama or qwen2, full attention, plain RoPE, not quantized."""
     args = getattr(model, "args", None)
     quantized = any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
-    return (getattr(args, "model_type", None) in ARCHITECTURES and not quantized
-            and not getattr(args, "rope_scaling", None)
-            and not getattr(args, "sliding_window", None)
-            and all(t == "full_attention" for t in getattr(args, "layer_types", None) or []))
+    return (
+        getattr(args, "model_type", None) in ARCHITECTURES
+        and not quantized
+        and not getattr(args, "rope_scaling", None)
+        and not getattr(args, "sliding_window", None)
+        and all(t == "full_attention" for t in getattr(args, "layer_types", None) or [])
+    )
 
 
 class TorchTarget:
@@ -87,8 +90,7 @@ class TorchTarget:
                 f"not this {args.model_type!r} target: use --engine mlx"
             )
         self.torch = torch
-        w = {k: torch.from_numpy(np.array(v.astype(mx.float32)))
-             for k, v in tree_flatten(model.parameters())}
+        w = {k: torch.from_numpy(np.array(v.astype(mx.float32))) for k, v in tree_flatten(model.parameters())}
         bf = getattr(torch, dtype)
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = getattr(args, "head_dim", None) or args.hidden_size // self.heads
@@ -100,12 +102,23 @@ class TorchTarget:
         for i in range(args.num_hidden_layers):
             p = f"model.layers.{i}."
             qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).to(bf)
-            bias = (torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-                    if p + "self_attn.q_proj.bias" in w else None)
+            bias = (
+                torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                if p + "self_attn.q_proj.bias" in w
+                else None
+            )
             gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).to(bf)
-            self.layers.append((w[p + "input_layernorm.weight"], qkv, bias, w[p + "self_attn.o_proj.weight"].to(bf),
-                                w[p + "post_attention_layernorm.weight"], gate_up,
-                                w[p + "mlp.down_proj.weight"].to(bf)))
+            self.layers.append(
+                (
+                    w[p + "input_layernorm.weight"],
+                    qkv,
+                    bias,
+                    w[p + "self_attn.o_proj.weight"].to(bf),
+                    w[p + "post_attention_layernorm.weight"],
+                    gate_up,
+                    w[p + "mlp.down_proj.weight"].to(bf),
+                )
+            )
         half = self.head_dim // 2
         self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
         shape = (len(self.layers), slots, self.kv_heads, max_len, self.head_dim)
@@ -214,8 +227,13 @@ class TorchTarget:
 
 
 def generate_greedy(
-    model, prompts: Iterable[list[int]], max_new_tokens: int, eos_ids: Iterable[int], slots: int = 64,
-    max_prompt_tokens: int = 512, dtype: str = "bfloat16",
+    model,
+    prompts: Iterable[list[int]],
+    max_new_tokens: int,
+    eos_ids: Iterable[int],
+    slots: int = 64,
+    max_prompt_tokens: int = 512,
+    dtype: str = "bfloat16",
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy responses to `prompts`, by continuous batching over `slots` in PyTorch bfloat16.
 

@@ -76,8 +76,10 @@ def layers_from_target(drafter: DFlashDraftModel, target: Target) -> None:
             if own.get(prefix + name) is not None and own[prefix + name].shape == value.shape:
                 weights[prefix + name] = value.astype(own[prefix + name].dtype)
     if not any(k.startswith("layers.") for k in weights):
-        raise ValueError(f"--init-from-target: no weight of the target's layers ({type(pairs[0][1]).__name__}) "
-                         "matches the drafter's names and shapes")
+        raise ValueError(
+            f"--init-from-target: no weight of the target's layers ({type(pairs[0][1]).__name__}) "
+            "matches the drafter's names and shapes"
+        )
     drafter.load_weights(list(weights.items()), strict=False)
     mx.eval(drafter.parameters())
 
@@ -99,8 +101,15 @@ class Trainer:
         if self.peers:
             check_world_size(settings, self.peers.size)
             r, n = self.peers.rank, self.peers.size
-            logger.info("data parallel: rank %d of %d, sequences %d, %d, ... of each step's %d%s", r, n, r + 1, r + n + 1,
-                        settings.sequences_per_step, " (writes the checkpoints, curve and drafter)" if r == 0 else "")
+            logger.info(
+                "data parallel: rank %d of %d, sequences %d, %d, ... of each step's %d%s",
+                r,
+                n,
+                r + 1,
+                r + n + 1,
+                settings.sequences_per_step,
+                " (writes the checkpoints, curve and drafter)" if r == 0 else "",
+            )
         self.out = Path(out)
         self._read_data(settings)
         self.settings, config = settle(settings, model)
@@ -127,8 +136,10 @@ class Trainer:
         spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
         self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
         if len(self.train_samples) < settings.sequences_per_step:
-            raise ValueError(f"{settings.data} has {len(self.train_samples)} training samples; need at least "
-                             f"{settings.sequences_per_step} (run `dflash2 data` first)")
+            raise ValueError(
+                f"{settings.data} has {len(self.train_samples)} training samples; need at least "
+                f"{settings.sequences_per_step} (run `dflash2 data` first)"
+            )
 
     def _make_drafter(self, model, config: DraftConfig) -> None:
         """The target (its feature layers the drafter's), and a new drafter bound to it, drafting over the
@@ -155,8 +166,10 @@ class Trainer:
         self.weights = draft_weights(settings.block_size, settings.loss_gamma())
         warm = max(1, int(settings.warmup * settings.steps))
         schedule = optim.join_schedules(
-            [optim.linear_schedule(0.0, settings.learning_rate, warm),
-             optim.cosine_decay(settings.learning_rate, max(1, settings.steps - warm), settings.learning_rate * 0.1)],
+            [
+                optim.linear_schedule(0.0, settings.learning_rate, warm),
+                optim.cosine_decay(settings.learning_rate, max(1, settings.steps - warm), settings.learning_rate * 0.1),
+            ],
             [warm],
         )
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=settings.weight_decay)
@@ -166,20 +179,40 @@ class Trainer:
 
         @partial(mx.compile, inputs=state, outputs=state)
         def train_step(blocks, context, anchors, labels, prev_gold, soft_idx, soft_p):
-            loss, grads = value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors), labels,
-                                         self.weights, prev_gold, self.vocab, self.head_rows,
-                                         Soft(soft_idx, soft_p, settings.distill))
+            loss, grads = value_and_grad(
+                self.drafter,
+                blocks,
+                context,
+                TrainingBlocks(anchors),
+                labels,
+                self.weights,
+                prev_gold,
+                self.vocab,
+                self.head_rows,
+                Soft(soft_idx, soft_p, settings.distill),
+            )
             grads, norm = optim.clip_grad_norm(grads, settings.grad_clip)
             self.optimizer.update(self.drafter, grads)
             return loss, norm
 
         self._train_step = train_step
         if self.peers:  # the ranks' gradients are summed between the two halves of the step
+
             @partial(mx.compile, inputs=[self.drafter.state], outputs=[self.drafter.state])  # (value_and_grad sets it)
             def gradients(blocks, context, anchors, labels, prev_gold, soft_idx, soft_p, denominator):
-                return value_and_grad(self.drafter, blocks, context, TrainingBlocks(anchors), labels, self.weights,
-                                      prev_gold, self.vocab, self.head_rows, Soft(soft_idx, soft_p, settings.distill),
-                                      denominator)
+                return value_and_grad(
+                    self.drafter,
+                    blocks,
+                    context,
+                    TrainingBlocks(anchors),
+                    labels,
+                    self.weights,
+                    prev_gold,
+                    self.vocab,
+                    self.head_rows,
+                    Soft(soft_idx, soft_p, settings.distill),
+                    denominator,
+                )
 
             @partial(mx.compile, inputs=state, outputs=state)
             def apply(grads):
@@ -199,9 +232,10 @@ class Trainer:
             splits = {"train": (self.train_samples, bool(settings.distill)), "heldout": (self.heldout, False)}
             if self.peers:
                 self._fill_together(splits)
-            self.caches = {name: FeatureCache(settings.data, samples, self.target, teacher=teacher,
-                                              engine=self.feature_engine)
-                           for name, (samples, teacher) in splits.items()}
+            self.caches = {
+                name: FeatureCache(settings.data, samples, self.target, teacher=teacher, engine=self.feature_engine)
+                for name, (samples, teacher) in splits.items()
+            }
         self.feature_scale = mx.array(self._feature_scale())
 
     def _fill_together(self, splits: dict) -> None:
@@ -215,12 +249,24 @@ class Trainer:
 
         def work(part: str, keep):
             for name, (samples, teacher) in splits.items():  # one after the other: they share the shards' marks
-                cache = FeatureCache(data, [s for s in samples if keep(s)], self.target, teacher=teacher, fill=False,
-                                     engine=self.feature_engine)
+                cache = FeatureCache(
+                    data,
+                    [s for s in samples if keep(s)],
+                    self.target,
+                    teacher=teacher,
+                    fill=False,
+                    engine=self.feature_engine,
+                )
                 todo = cache.missing()
                 if todo:
-                    logger.info("rank %d: the features of %d %s samples (%s: %s)", peers.rank, len(todo), name, part,
-                                ", ".join(sorted({s.shard for s in todo})))
+                    logger.info(
+                        "rank %d: the features of %d %s samples (%s: %s)",
+                        peers.rank,
+                        len(todo),
+                        name,
+                        part,
+                        ", ".join(sorted({s.shard for s in todo})),
+                    )
                 yield from cache.filling(self.target)
 
         for part, keep in (("its shards", lambda s: s.shard in mine), ("the other ranks' shards", lambda s: True)):
@@ -242,9 +288,11 @@ class Trainer:
         for samples in (self.train_samples, self.heldout):
             h.update(np.array([len(samples), sum(int(s.tokens.sum()) for s in samples)], np.int64).tobytes())
         if not self.peers.same(np.frombuffer(h.digest(), np.uint8), "the check of the ranks' settings and data"):
-            raise ValueError(f"rank {self.peers.rank}: the ranks were given different settings, targets or data (or "
-                             "another version of dflash2); launch the same command, with the same target and data "
-                             "folder, on every rank")
+            raise ValueError(
+                f"rank {self.peers.rank}: the ranks were given different settings, targets or data (or "
+                "another version of dflash2); launch the same command, with the same target and data "
+                "folder, on every rank"
+            )
 
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
@@ -265,8 +313,9 @@ class Trainer:
         if self.caches:
             rows = self.caches["train"].row_sample(20000)
         else:
-            rows = np.concatenate([np.array(self.target.sequence_features(mx.array(s.tokens[None]))[0])
-                                   for s in self.train_samples[:16]])
+            rows = np.concatenate(
+                [np.array(self.target.sequence_features(mx.array(s.tokens[None]))[0]) for s in self.train_samples[:16]]
+            )
         return (1 / np.maximum(np.sqrt(np.mean(rows**2, axis=0)), 1e-3)).astype(np.float32)
 
     def context(self, batch: Batch, split: str) -> mx.array:
@@ -290,9 +339,17 @@ class Trainer:
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
         if self.average is not None:
             mx.save_safetensors(str(tmp / AVERAGE_FILE), self.average)
-        (tmp / "state.json").write_text(json.dumps({"step": self.step, "settings": asdict(self.settings),
-                                                    "averaged_steps": self.averaged_steps, "log": self.log},
-                                                   indent=2))
+        (tmp / "state.json").write_text(
+            json.dumps(
+                {
+                    "step": self.step,
+                    "settings": asdict(self.settings),
+                    "averaged_steps": self.averaged_steps,
+                    "log": self.log,
+                },
+                indent=2,
+            )
+        )
         if self.checkpoint.exists():
             shutil.rmtree(self.checkpoint)
         tmp.rename(self.checkpoint)
@@ -329,9 +386,11 @@ class Trainer:
         state = json.loads((self.checkpoint / "state.json").read_text())
         differ = self.settings.changes_from(state["settings"])
         if differ:
-            raise ValueError(f"{self.checkpoint} was made with other settings ("
-                             + ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
-                             + "); use the same settings to continue it, or another --out")
+            raise ValueError(
+                f"{self.checkpoint} was made with other settings ("
+                + ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+                + "); use the same settings to continue it, or another --out"
+            )
         self.drafter.load_weights(list(mx.load(str(self.checkpoint / "drafter.safetensors")).items()))
         self._set_optimizer_state(mx.load(str(self.checkpoint / "optimizer.safetensors")).items())
         self.step, self.log = state["step"], state["log"]
@@ -377,15 +436,17 @@ class Trainer:
             soft = self.soft_targets(batch, "train") if self.settings.distill else NO_SOFT
         labels = self._loss_labels(batch.labels)
         if self.peers:
-            loss, grads = self._gradients(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch),
-                                          *soft, denominator)
+            loss, grads = self._gradients(
+                batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch), *soft, denominator
+            )
             mx.eval(loss, grads)  # this rank's part, before it waits on the others'
             summed = self.peers.sum({"grads": grads, "loss": loss}, f"step {self.step + 1}'s gradient sum")
             loss = summed["loss"]
             self._apply(summed["grads"])
         else:
-            loss, _ = self._train_step(batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch),
-                                       *soft)
+            loss, _ = self._train_step(
+                batch.blocks, context, batch.where.anchors, labels, gold_predecessors(batch), *soft
+            )
         if self.settings.ema:
             self._update_average()
         mx.eval(loss, self.drafter.state, self.optimizer.state, self.average)
@@ -423,10 +484,12 @@ class Trainer:
     def evaluate(self, split: str = "heldout") -> Evaluation:
         """Acceptance on the held-out samples (`evaluate.evaluate`); split="train": the same on `train_probe`,
         training samples the drafter has learned from."""
-        samples, indices = ((self.heldout, range(len(self.heldout))) if split == "heldout"
-                            else (self.train_samples, self.train_probe))
-        return evaluate(self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split),
-                        self.peers)
+        samples, indices = (
+            (self.heldout, range(len(self.heldout))) if split == "heldout" else (self.train_samples, self.train_probe)
+        )
+        return evaluate(
+            self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split), self.peers
+        )
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
         """Train (from the last checkpoint, if any) to `settings.steps`, or stop early with a checkpoint: at
@@ -443,11 +506,24 @@ class Trainer:
         stop = min(until or s.steps, s.steps)
         tic = time.perf_counter()
         budget = None if s.time_budget is None else tic + 60 * s.time_budget
-        with Progress(TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TextColumn("loss {task.fields[loss]:.3f}  tau {task.fields[tau]}"), TimeRemainingColumn(),
-                      disable=not progress or not self.writes) as bar, interrupt_requested() as interrupted:
-            task = bar.add_task("train", total=s.steps, completed=self.step, loss=float("nan"),
-                                tau=self.log[-1].get("tau", "-") if self.log else "-")
+        with (
+            Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]:.3f}  tau {task.fields[tau]}"),
+                TimeRemainingColumn(),
+                disable=not progress or not self.writes,
+            ) as bar,
+            interrupt_requested() as interrupted,
+        ):
+            task = bar.add_task(
+                "train",
+                total=s.steps,
+                completed=self.step,
+                loss=float("nan"),
+                tau=self.log[-1].get("tau", "-") if self.log else "-",
+            )
             while self.step < stop:
                 loss = self.train_step()
                 entry = {"step": self.step, "loss": loss, "seconds": time.perf_counter() - tic}
@@ -463,8 +539,12 @@ class Trainer:
                     with self.averaged():
                         tau, first, by_position = self.evaluate()
                         seen_tau = self.evaluate("train").tau
-                    entry.update(tau=round(tau, 4), first_draft=round(first, 4), train_tau=round(seen_tau, 4),
-                                 by_position=list(by_position))
+                    entry.update(
+                        tau=round(tau, 4),
+                        first_draft=round(first, 4),
+                        train_tau=round(seen_tau, 4),
+                        by_position=list(by_position),
+                    )
                     if self.writes:
                         write_curve(self.out / CURVE_FILE, self.log + [entry])
                 self.log.append(entry)
@@ -480,16 +560,20 @@ class Trainer:
 
     def _note_checkpoint(self, saved: bool) -> None:
         """What a lost rank's error says about going on (`ProcessGroup.note`)."""
-        self.peers.note = (f"rerun the same command to continue from rank 0's {self.checkpoint} (step {self.step})"
-                           if saved else "no checkpoint yet: rerunning the same command starts over")
+        self.peers.note = (
+            f"rerun the same command to continue from rank 0's {self.checkpoint} (step {self.step})"
+            if saved
+            else "no checkpoint yet: rerunning the same command starts over"
+        )
 
     def export(self, folder: str | Path) -> Path:
         """The trained drafter (its moving average, if any) as a drafter folder (Hugging Face layout) that
         `load` reads."""
         with self.averaged():
             weights = dict(tree_flatten(self.drafter.parameters()))
-        return write_drafter(folder, self.drafter.config, weights, self.feature_scale, self.drafter.draft_vocab,
-                             self.train_samples)
+        return write_drafter(
+            folder, self.drafter.config, weights, self.feature_scale, self.drafter.draft_vocab, self.train_samples
+        )
 
 
 @contextmanager
@@ -507,8 +591,10 @@ def interrupt_requested():
     def handler(signum, frame):
         requested.set()
         signal.signal(signal.SIGINT, previous)
-        logger.info("stopping after this step with a checkpoint (Ctrl-C again stops at once, losing the steps "
-                    "since the last checkpoint)")
+        logger.info(
+            "stopping after this step with a checkpoint (Ctrl-C again stops at once, losing the steps "
+            "since the last checkpoint)"
+        )
 
     signal.signal(signal.SIGINT, handler)
     try:
@@ -523,8 +609,16 @@ def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: i
     position for the card of a drafter trained before cards had it:
     `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
     st = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
-    keep = ("draft_vocab", "reduced_vocabulary", "anchors_per_sequence", "seed", "eval_samples",
-            "selector_factorized", "selector_rank", "selector_top_k")
+    keep = (
+        "draft_vocab",
+        "reduced_vocabulary",
+        "anchors_per_sequence",
+        "seed",
+        "eval_samples",
+        "selector_factorized",
+        "selector_rank",
+        "selector_top_k",
+    )
     fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
     settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
     with tempfile.TemporaryDirectory() as out:

@@ -20,8 +20,9 @@ from ..tree import V1_TOP_K, build_tree, draft_log_probs
 from .data import Sample
 
 
-def simulate_tree_acceptance(target: Target, drafter: DFlashDraftModel, samples: list[Sample], budgets: list[int],
-                             block_size: int | None = None) -> dict:
+def simulate_tree_acceptance(
+    target: Target, drafter: DFlashDraftModel, samples: list[Sample], budgets: list[int], block_size: int | None = None
+) -> dict:
     """{"blocks": anchors evaluated, "linear": accepted drafts per anchor of the linear greedy path,
     "tree": {budget: accepted per anchor}}; tau = mean(accepted) + 1."""
     B = block_size or drafter.config.block_size

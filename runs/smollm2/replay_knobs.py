@@ -26,8 +26,10 @@ from dflash2_mlx.loading import load_drafter, load_target
 from dflash2_mlx.replay import Trace, replay
 
 HERE = Path(__file__).parent
-DRAFTERS = {"dflash2": "dflash2_mlx/assets/drafters/smollm2-135m-dflash2-b8",
-            "v1": "dflash2_mlx/assets/drafters/smollm2-135m-dflash-b8"}
+DRAFTERS = {
+    "dflash2": "dflash2_mlx/assets/drafters/smollm2-135m-dflash2-b8",
+    "v1": "dflash2_mlx/assets/drafters/smollm2-135m-dflash-b8",
+}
 CURVES = ("cpu", "mid", "flat")
 FIXED = (3, 5, 8)
 MAX_TOKENS = 200  # as recorded: an answer that ended at EOS sooner is replayed as the loop decoded it, blind to the end
@@ -89,13 +91,24 @@ def load_traces(path: Path, drafter_hash: str, prompts: list[list[int]]) -> list
     """The traces of this drafter on these prompts (200 tokens, blocks of 3, 5 and 8), in the prompts' order."""
     kept = json.loads(path.read_text())
     wanted = [hashlib.sha256(json.dumps(p).encode()).hexdigest()[:16] for p in prompts]
-    found = {key.split(" | prompt ")[1][:16]: t for key, t in kept.items()
-             if f"drafter {drafter_hash} " in key and key.endswith(f"| {MAX_TOKENS} | B [3, 5, 8] | greedy")}
+    found = {
+        key.split(" | prompt ")[1][:16]: t
+        for key, t in kept.items()
+        if f"drafter {drafter_hash} " in key and key.endswith(f"| {MAX_TOKENS} | B [3, 5, 8] | greedy")
+    }
     if set(wanted) - found.keys():
-        raise SystemExit(f"{len(set(wanted) - found.keys())} prompts have no trace in {path}: record them with "
-                         "`dflash2 replay --max-tokens 200 --block-sizes 3,5,8 --traces FILE`")
-    return [Trace(found[h]["tokens"], {int(B): d for B, d in found[h]["drafts"].items()},
-                  {int(B): c for B, c in found[h]["confidence"].items()}) for h in wanted]
+        raise SystemExit(
+            f"{len(set(wanted) - found.keys())} prompts have no trace in {path}: record them with "
+            "`dflash2 replay --max-tokens 200 --block-sizes 3,5,8 --traces FILE`"
+        )
+    return [
+        Trace(
+            found[h]["tokens"],
+            {int(B): d for B, d in found[h]["drafts"].items()},
+            {int(B): c for B, c in found[h]["confidence"].items()},
+        )
+        for h in wanted
+    ]
 
 
 def main() -> None:
@@ -107,28 +120,39 @@ def main() -> None:
     rows = {}
     drafters = {name: load_drafter(path) for name, path in DRAFTERS.items()}
     _, tokenizer = load_target(None, "float32")
-    suites = {suite: bench_prompts(argparse.Namespace(prompts=suite, num_prompts=n), tokenizer)[1]
-              for suite, n in SUITES.items()}
+    suites = {
+        suite: bench_prompts(argparse.Namespace(prompts=suite, num_prompts=n), tokenizer)[1]
+        for suite, n in SUITES.items()
+    }
     for curve in CURVES:
         costs = CostModel(**json.loads((HERE / "curves" / f"{curve}.json").read_text()))
         plain = 1 / costs.verify_s[0]
         for name, drafter in drafters.items():
             for suite in ("long", "chat"):
                 traces = load_traces(Path(getattr(args, suite)), weights_hash(drafter), suites[suite])
-                best = [max(replay(t, FixedBlocks(B), costs, MAX_TOKENS).tokens_per_s / plain for B in FIXED) for t in traces]
+                best = [
+                    max(replay(t, FixedBlocks(B), costs, MAX_TOKENS).tokens_per_s / plain for B in FIXED)
+                    for t in traces
+                ]
                 base = AdaptiveConfig(8, prior=drafter.acceptance_prior)
                 for variant, (changes, cls) in VARIANTS.items():
-                    ratios = [replay(t, cls(costs, replace(base, **changes)), costs, MAX_TOKENS).tokens_per_s / plain
-                              for t in traces]
+                    ratios = [
+                        replay(t, cls(costs, replace(base, **changes)), costs, MAX_TOKENS).tokens_per_s / plain
+                        for t in traces
+                    ]
                     rows[f"{curve} | {name} | {suite} | {variant}"] = {"adaptive": ratios, "best_fixed": best}
                 kept = rows[f"{curve} | {name} | {suite} | kept rule"]["adaptive"]
                 mean, worst = statistics.mean(kept), min(kept)
                 vs_best = min(a / b for a, b in zip(kept, best))
-                print(f"{curve} {name} {suite} ({len(traces)} prompts): mean {mean:.3f}x, worst {worst:.3f}x of plain; "
-                      f"worst vs the best fixed block {vs_best:.3f}x")
+                print(
+                    f"{curve} {name} {suite} ({len(traces)} prompts): mean {mean:.3f}x, worst {worst:.3f}x of plain; "
+                    f"worst vs the best fixed block {vs_best:.3f}x"
+                )
                 for variant in list(VARIANTS)[1:]:
                     r = rows[f"{curve} | {name} | {suite} | {variant}"]["adaptive"]
-                    print(f"    {variant:42s} mean {statistics.mean(r) / mean - 1:+.2%}  worst {min(r) / worst - 1:+.2%}")
+                    print(
+                        f"    {variant:42s} mean {statistics.mean(r) / mean - 1:+.2%}  worst {min(r) / worst - 1:+.2%}"
+                    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=0))
 

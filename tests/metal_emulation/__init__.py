@@ -28,10 +28,20 @@ SHIM = Path(__file__).with_name("metal_shim.h")
 CACHE = Path(tempfile.gettempdir()) / "dflash2-metal-emulation"
 FLAGS = ["-std=c++20", "-O1", "-w"]
 # Metal attribute -> the emulator's field (metal_emu::Ids)
-ATTRIBUTES = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
-              "threads_per_threadgroup", "threadgroups_per_grid", "threads_per_grid", "thread_index_in_threadgroup",
-              "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup", "simdgroups_per_threadgroup",
-              "threads_per_simdgroup", "thread_execution_width"}
+ATTRIBUTES = {
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "threads_per_grid",
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "simdgroups_per_threadgroup",
+    "threads_per_simdgroup",
+    "thread_execution_width",
+}
 
 
 class EmulationError(RuntimeError):
@@ -81,7 +91,7 @@ def runner_source(source: str) -> tuple[str, list[tuple[str, str]]]:
     """C++ for the kernel plus a per-thread entry that passes every parameter; and the buffer
     parameters (type, name) in MLX's binding order."""
     start = source.index("[[kernel]]")
-    signature = source[start:source.index(") {", start)]
+    signature = source[start : source.index(") {", start)]
     call = re.search(r"\[\[kernel\]\] void (\w+)", signature).group(1)
     instance = re.search(r"decltype\((\w+<[^)]*>)\)", source)
     buffers, arguments = [], []
@@ -131,8 +141,9 @@ def build_runner(cpp: str) -> Path:
     source_file = CACHE / f"runner-{digest}.cpp"
     source_file.write_text(cpp)
     partial = CACHE / f"runner-{digest}.{os.getpid()}.tmp"
-    result = subprocess.run([cxx, *FLAGS, "-I", str(SHIM.parent), str(source_file), "-o", str(partial)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [cxx, *FLAGS, "-I", str(SHIM.parent), str(source_file), "-o", str(partial)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         raise EmulationError(f"{source_file} did not compile:\n{result.stderr[-4000:]}")
     partial.replace(binary)  # atomic: concurrent test processes never see half a binary
@@ -172,7 +183,7 @@ def emulate(launch: kernels.Launch, reverse: bool = False, body: str | None = No
                 data = np.array(inputs[base].shape, np.int32).tobytes()
             elif field == "strides":
                 shape = inputs[base].shape
-                data = np.array([int(np.prod(shape[i + 1:])) for i in range(len(shape))], np.int64).tobytes()
+                data = np.array([int(np.prod(shape[i + 1 :])) for i in range(len(shape))], np.int64).tobytes()
             else:  # ndim
                 data = np.int32(inputs[base].ndim).tobytes()
             Path(tmp, f"{index}.bin").write_bytes(data)
@@ -181,5 +192,7 @@ def emulate(launch: kernels.Launch, reverse: bool = False, body: str | None = No
         if result.returncode != 0:
             raise EmulationError(f"{launch.name}: {result.stderr.strip() or f'exit status {result.returncode}'}")
         index = {name: i for i, (_, name) in enumerate(buffers)}
-        return [_from_raw(Path(tmp, f"{index[name]}.out").read_bytes(), shape, dtype)
-                for name, (shape, dtype) in outputs.items()]
+        return [
+            _from_raw(Path(tmp, f"{index[name]}.out").read_bytes(), shape, dtype)
+            for name, (shape, dtype) in outputs.items()
+        ]
