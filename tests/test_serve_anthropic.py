@@ -1,20 +1,27 @@
 """Anthropic's Messages API (POST /v1/messages) driven by the official `anthropic` client over real HTTP on
 127.0.0.1: at T = 0 its text is the chat endpoint's, and mlx-lm's own greedy text, for the same conversation;
 streamed events in Anthropic's order add up to the message; stop sequences; tool_use and tool_result blocks
-round-trip through the chat template; a thinking model's reasoning in thinking blocks; errors in Anthropic's
-shape; the API key as x-api-key. A tiny real target and DFlash 2 drafter, word-level tokenizers."""
+round-trip through the chat template; a thinking model's reasoning in thinking blocks, cut at its
+`budget_tokens` as mlx-lm's own greedy text forced to the think-end marker there, its signature and its text
+(shown or omitted) fed back; errors in Anthropic's shape; the API key as x-api-key. A tiny real target and DFlash 2
+drafter, word-level tokenizers."""
 
 from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import anthropic
+import mlx.core as mx
 import openai
 import pytest
 from helpers import CALL, TIMEOUT, WEATHER_TOOL, emitting, request, running, save_thinking_target, user
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+from dflash2_mlx.server.messages_api import signature, thinking_budget
 
 MAX = 12
 SYSTEM = "w5 w6"
@@ -33,9 +40,13 @@ def plain_server(tiny_pair, tiny_dflash2):
 
 
 @pytest.fixture(scope="module")
-def thinking_server(tiny_pair, tiny_dflash2, tmp_path_factory):
-    folder = save_thinking_target(tmp_path_factory.mktemp("thinking") / "target", tiny_pair[0])
-    with running(folder, tiny_dflash2, "--max-tokens", 32) as s:
+def thinking_folder(tiny_pair, tmp_path_factory):
+    return save_thinking_target(tmp_path_factory.mktemp("thinking") / "target", tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_folder, tiny_dflash2):
+    with running(thinking_folder, tiny_dflash2, "--max-tokens", 32) as s:
         yield s
 
 
@@ -183,6 +194,100 @@ def test_a_thinking_models_reasoning_comes_in_thinking_blocks(thinking_server, m
     assert prompts[0] == tok.apply_chat_template(user(ASK), add_generation_prompt=True, enable_thinking=True)
 
 
+def split_at_think_end(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a text that starts in its reasoning, cut at the literal marker."""
+    reasoning, _, answer = text.partition("</think>")
+    return reasoning, answer
+
+
+@pytest.mark.parametrize("budget", [2, 5])
+def test_a_thinking_budget_ends_the_thinking_there(thinking_server, thinking_folder, budget):
+    """T = 0, the real model, which never closes its thinking by itself here: the thinking block is mlx-lm's first
+    `budget` greedy tokens, then the answer is mlx-lm's greedy continuation of the prompt, those tokens and
+    "</think>" (the marker forced where the model would have gone on thinking); streamed, the same."""
+    app, port = thinking_server
+    model, tok = mlx_lm_load(str(thinking_folder))
+    prompt = tok.apply_chat_template(user(ASK), add_generation_prompt=True, enable_thinking=True)
+    free = [r.token for r in mlx_lm_stream_generate(model, tok, prompt, max_tokens=budget + 4)]
+    (end,) = tok.think_end_tokens
+    assert end not in free and tok.eos_token_id not in free, "a weak test: the model closes its thinking itself"
+    forced = [*prompt, *free[:budget], end]
+    rest = [r.token for r in mlx_lm_stream_generate(model, tok, forced, max_tokens=12 - budget - 1)]
+    reasoning, answer = split_at_think_end(tok.decode(forced[len(prompt) :] + rest))
+    assert reasoning.strip() and answer.strip() and reasoning != tok.decode(free), "a weak test"
+    kw = dict(
+        model="default_model",
+        max_tokens=12,
+        messages=[{"role": "user", "content": ASK}],
+        thinking={"type": "enabled", "budget_tokens": budget},
+    )
+    reply = claude(port).messages.create(**kw)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
+        ("thinking", reasoning),
+        ("text", answer),
+    ]
+    assert reply.usage.output_tokens == budget + 1 + len(rest)
+    with claude(port).messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in reply.content]
+    unbounded = claude(port).messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert [b.type for b in unbounded.content] == ["thinking"] and unbounded.content[0].thinking.split()[
+        :budget
+    ] == reasoning.split()
+
+
+def test_the_budget_forces_each_token_of_a_longer_end_marker():
+    """A template whose think-end marker is three tokens (7, 8, 9): past the budget, only the marker's next token
+    is left (its first, then the one after the part already forced); inside the budget, or once the section is
+    closed, the row is left as it was."""
+    markers = SimpleNamespace(think_start_tokens=(5,), think_end_tokens=(7, 8, 9))
+    process = thinking_budget(markers, 2)
+    logits = mx.arange(12, dtype=mx.float32)[None] / 10
+    cases = {
+        (1, 5, 3): None,  # one thinking token: under the budget
+        (1, 5, 3, 4): 7,
+        (1, 5, 3, 4, 7): 8,
+        (1, 5, 3, 4, 7, 8): 9,
+        (1, 5, 3, 4, 7, 8, 9): None,  # closed
+        (5, 3, 4, 7, 8, 9, 2, 5, 3, 1): 7,  # a second section, over its budget
+        (1, 2, 3, 4): None,  # no thinking
+    }
+    for tokens, forced in cases.items():
+        row = process(mx.array(tokens, dtype=mx.uint32), logits)
+        if forced is None:
+            assert mx.array_equal(row, logits), tokens
+        else:
+            assert mx.argmax(row).item() == forced and mx.isinf(row).sum().item() == 11, tokens
+
+
+@pytest.mark.parametrize("display", [None, "omitted"])
+def test_a_thinking_block_fed_back_reaches_the_template(thinking_server, monkeypatch, display):
+    """The block as answered (its text, or with display "omitted" none, and its signature, which the official
+    client's ThinkingBlockParam requires) goes back to the template as the assistant turn's reasoning, as the
+    chat endpoint's reasoning_content; streamed, the client's accumulated block is the same."""
+    app, port = thinking_server
+    thinking = {"type": "enabled", "budget_tokens": 1024, **({"display": display} if display else {})}
+    kw = dict(model="default_model", max_tokens=32, thinking=thinking)
+    ask = [{"role": "user", "content": ASK}]
+    with emitting(monkeypatch, app.tokenizer, "w1 w2 </think> w3 w4"):
+        reply = claude(port).messages.create(messages=ask, **kw)
+        with claude(port).messages.stream(messages=ask, **kw) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+    block = reply.content[0]
+    assert block.type == "thinking" and block.thinking == ("" if display else "w1 w2 ")
+    assert block.signature and block.signature == signature("w1 w2 ")
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in reply.content]
+    kinds = [e.delta.type for e in events if e.type == "content_block_delta" and e.index == 0]
+    assert kinds == ([] if display else ["thinking_delta"] * kinds.count("thinking_delta")) + ["signature_delta"]
+    turn = [*ask, {"role": "assistant", "content": [b.model_dump() for b in reply.content]}, *user("w8")]
+    chat_turn = [*user(ASK), {"role": "assistant", "content": " w3 w4", "reasoning_content": "w1 w2 "}, *user("w8")]
+    with emitting(monkeypatch, app.tokenizer, "w5") as prompts:
+        claude(port).messages.create(messages=turn, **kw)
+        chat(port, chat_turn)
+    assert prompts[0] == prompts[1] and "<think> w1 w2 </think>" in app.tokenizer.decode(prompts[0])
+
+
 def test_count_tokens_is_the_templates_length(plain_server):
     app, port = plain_server
     counted = claude(port).messages.count_tokens(
@@ -207,6 +312,19 @@ def test_count_tokens_is_the_templates_length(plain_server):
         ({"stop_sequences": "w4"}, "stop_sequences"),
         ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config"),
         ({"temperature": -1}, "temperature"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking"),
+        ({"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "full"}}, "thinking"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": ASK},
+                    {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "dflash2:!"}]},
+                    {"role": "user", "content": ASK},
+                ]
+            },
+            "messages",
+        ),
     ],
 )
 def test_what_cannot_be_honoured_gets_a_400_in_anthropics_shape(plain_server, body, param):

@@ -7,21 +7,30 @@ answer is shaped as Anthropic's message or its stream of events (`MessagesReply`
   `max_tokens` (required, as Anthropic requires it), `system` (a string or text blocks), `stop_sequences`,
   `stream`, `temperature`, `top_p`, `top_k`, `tools` (custom tools: name, description, input_schema),
   `tool_choice` ("auto" or "none"), `thinking` ("enabled" or "adaptive": the template's `enable_thinking` true;
-  "disabled": false), `output_config.effort` (the template's `reasoning_effort`).
+  "disabled": false; `budget_tokens`: the thinking section ends once it holds that many tokens, `thinking_budget`;
+  `display` "omitted": thinking blocks come with their text left out, kept in their `signature`),
+  `output_config.effort` (the template's `reasoning_effort`).
 - refused unless absent: `REFUSED_FIELDS` says why; so are image and document blocks, server tools, tool_choice
   "any" and "tool" (no call can be forced), and a last assistant turn (a prefill to continue).
 - accepted and not acted on: `IGNORED_FIELDS`, each with why; `cache_control` and `citations` on blocks,
-  `thinking.budget_tokens` and `.display`, `tool_choice.disable_parallel_tool_use`, a tool result's `is_error`
-  (the template renders the result's text alone), `redacted_thinking` blocks; headers `anthropic-version` (any
-  version is answered in the one shape here) and `anthropic-beta`.
+  `tool_choice.disable_parallel_tool_use`, a tool result's `is_error` (the template renders the result's text
+  alone), `redacted_thinking` blocks, a thinking block's `signature` when its text is given (the text is rendered
+  as sent: nothing is verified); headers `anthropic-version` (any version is answered in the one shape here) and
+  `anthropic-beta`.
 - anything else: ignored, as the chat endpoint ignores what it does not know.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import uuid
+import zlib
+from dataclasses import dataclass, fields, replace
+
+import mlx.core as mx
 
 from .protocol import ApiError, CompletionRequest, RequestParser
 from .responses import Blocks, Outcome, Reply
@@ -55,6 +64,88 @@ ERROR_TYPES = {
 }
 
 CHAT_NAMES = {"stop": "stop_sequences"}  # chat's field names, as this API names them in errors
+SIGNATURE_PREFIX = "dflash2:"  # what starts the `signature` of a thinking block this server made
+MAX_SIGNED_BYTES = 16 << 20  # the longest thinking text a signature may unpack to
+
+
+@dataclass(frozen=True)
+class MessagesRequest(CompletionRequest):
+    """A Messages API request: the chat request it asks for, and whether its thinking blocks leave their text
+    out (`thinking.display` "omitted")."""
+
+    omit_thinking: bool = False
+
+
+def thinking_budget(tokenizer, budget: int):
+    """mlx-lm's kind of logits processor (`proc(tokens, logits) -> logits`) that ends a thinking section once it
+    holds `budget` tokens: past them, while the section is open (the last think-start marker after the last
+    think-end one, in the prompt or the generated tokens), every token but the next of the think-end marker gets
+    -inf, so the marker's tokens come next, however the model would have gone on, and the answer follows. It
+    reads only `tokens` (the prompt and the tokens before the row), so every verify mode and batched decoding
+    apply it as plain decoding does (`sampling.Processing`), and stays lazy (no host read).
+
+    Args:
+        tokenizer: mlx-lm's `TokenizerWrapper` of a thinking model (`has_thinking`): its think markers' tokens.
+        budget: the most tokens a thinking section holds (its markers not counted).
+    """
+    start, end = tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens)
+
+    def after(tokens: mx.array, marker: tuple) -> mx.array:
+        """The index just past the marker's last occurrence in `tokens`; -1 for none."""
+        n, m = tokens.size, len(marker)
+        if n < m:
+            return mx.array(-1)
+        hit = tokens[: n - m + 1] == marker[0]
+        for k in range(1, m):
+            hit = hit & (tokens[k : n - m + 1 + k] == marker[k])
+        return mx.max(mx.where(hit, mx.arange(m, n + 1), -1))
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        tokens = tokens.reshape(-1)
+        n = tokens.size
+        opened = after(tokens, start)
+        over = (opened > after(tokens, end)) & (n - opened >= budget)
+        forced = mx.array(end[0])
+        for k in range(1, min(len(end), n + 1)):  # past the part of the marker forced already
+            done = mx.all(tokens[n - k :] == mx.array(end[:k], dtype=tokens.dtype))
+            forced = mx.where(done, end[k], forced)
+        keep = mx.logical_not(over) | (mx.arange(logits.shape[-1]) == forced)
+        return mx.where(keep, logits, -mx.inf)
+
+    return process
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: its text, compressed and base64-encoded, so that the block sent back without
+    its text (shown with `display` "omitted") still gives the template its reasoning. Nothing is secret or
+    verified: the block's text, when sent, is what is rendered."""
+    return SIGNATURE_PREFIX + base64.urlsafe_b64encode(zlib.compress(thinking.encode())).decode()
+
+
+def signed_text(value, where: str = "a thinking block") -> str | None:
+    """The thinking text a `signature` made by this server carries; None for another (Anthropic's, or none).
+
+    Args:
+        value: the block's `signature`.
+        where: the block, as an error names it (`messages[i].content[j]`).
+
+    Raises:
+        ApiError: 400 for a signature of this server's that does not unpack.
+    """
+    if not isinstance(value, str) or not value.startswith(SIGNATURE_PREFIX):
+        return None
+    unpack = zlib.decompressobj()
+    try:
+        text = unpack.decompress(base64.urlsafe_b64decode(value[len(SIGNATURE_PREFIX) :]), MAX_SIGNED_BYTES)
+        if unpack.unconsumed_tail or not unpack.eof:
+            raise ValueError("cut short or over the limit")
+        return text.decode()
+    except (ValueError, binascii.Error, zlib.error) as e:
+        raise ApiError(
+            400,
+            f"{where}.signature does not unpack ({e}): send the thinking block back as it was answered",
+            param="messages",
+        ) from None
 
 
 def parse(parser: RequestParser, body, count_only: bool = False) -> CompletionRequest:
@@ -82,13 +173,20 @@ def parse(parser: RequestParser, body, count_only: bool = False) -> CompletionRe
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise ApiError(400, "'stop_sequences' must be a list of strings", param="stop_sequences")
     chat = {key: body[key] for key in ("model", "max_tokens", "stream", "temperature", "top_p", "top_k") if key in body}
-    chat.update(messages=_messages(body), stop=stops, **_tools(body), **_thinking(body))
+    kwargs, budget, omit = _thinking(body)
+    chat.update(messages=_messages(body), stop=stops, **_tools(body), **kwargs)
     if count_only:
         chat.update(max_tokens=1, stream=False)
     try:
-        return parser.parse("chat", chat)
+        request = parser.parse("chat", chat)
     except ApiError as e:
         raise e.renamed(CHAT_NAMES) from None
+    request = MessagesRequest(**{f.name: getattr(request, f.name) for f in fields(request)}, omit_thinking=omit)
+    if budget is not None and parser.tokenizer.has_thinking:  # a model that never thinks has nothing to end
+        g = request.generation
+        processors = [*(g.logits_processors or ()), thinking_budget(parser.tokenizer, budget)]
+        request = replace(request, generation=replace(g, logits_processors=processors))
+    return request
 
 
 def count_tokens(parser: RequestParser, body) -> dict:
@@ -96,15 +194,32 @@ def count_tokens(parser: RequestParser, body) -> dict:
     return {"input_tokens": len(parse(parser, body, count_only=True).prompt)}
 
 
-def _thinking(body: dict) -> dict:
-    """`thinking` and `output_config` as the chat template's keyword arguments."""
-    kwargs = {}
+def _thinking(body: dict) -> tuple[dict, int | None, bool]:
+    """`thinking` and `output_config`: the chat request's `chat_template_kwargs` (as a dict of it), the thinking
+    budget in tokens (None: none) and whether thinking blocks leave their text out."""
+    kwargs, budget, omit = {}, None, False
     thinking = body.get("thinking")
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, dict) else None
         if kind not in ("enabled", "adaptive", "disabled"):
             raise ApiError(400, '\'thinking\' must be {"type": "enabled" | "adaptive" | "disabled"}', param="thinking")
         kwargs["enable_thinking"] = kind != "disabled"
+        budget = thinking.get("budget_tokens") if kind == "enabled" else None
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise ApiError(
+                400,
+                f"'thinking.budget_tokens' must be an integer >= 1 (the most tokens the thinking may take), got "
+                f"{json.dumps(budget)}",
+                param="thinking",
+            )
+        display = thinking.get("display")
+        if display not in (None, "summarized", "omitted"):
+            raise ApiError(
+                400,
+                f'\'thinking.display\' must be "summarized" or "omitted", got {json.dumps(display)}',
+                param="thinking",
+            )
+        omit = display == "omitted" and kind != "disabled"
     config = body.get("output_config")
     if config is not None:
         if not isinstance(config, dict):
@@ -117,7 +232,7 @@ def _thinking(body: dict) -> dict:
             )
         if config.get("effort") is not None:
             kwargs["reasoning_effort"] = config["effort"]
-    return {"chat_template_kwargs": kwargs} if kwargs else {}
+    return ({"chat_template_kwargs": kwargs} if kwargs else {}), budget, omit
 
 
 def _tools(body: dict) -> dict:
@@ -215,7 +330,7 @@ def _user(i: int, content: list, names: dict) -> list[dict]:
             continue
         result = block.get("content", "")
         if isinstance(result, list):
-            for k, part in enumerate(result):
+            for part in result:
                 _block(i, j, part, ("text",))
             result = "".join(part.get("text", "") for part in result)
         call = block.get("tool_use_id")
@@ -242,8 +357,10 @@ def _assistant(i: int, content: list, names: dict) -> list[dict]:
         kind = _block(i, j, block, ("text", "tool_use", "thinking", "redacted_thinking"))
         if kind == "text":
             texts.append(block)
-        elif kind == "thinking":
-            reasoning += block.get("thinking") or ""
+        elif kind == "thinking":  # its text as sent, else the one its signature carries (display "omitted")
+            reasoning += (
+                block.get("thinking") or signed_text(block.get("signature"), f"messages[{i}].content[{j}]") or ""
+            )
         elif kind == "tool_use":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
                 raise ApiError(
@@ -271,7 +388,9 @@ def _assistant(i: int, content: list, names: dict) -> list[dict]:
 class MessagesReply(Reply):
     """An answer of /v1/messages: Anthropic's message, or its events (message_start; per block
     content_block_start, its deltas, content_block_stop; message_delta with the stop reason and usage;
-    message_stop). Blocks: `thinking` (a thinking model's reasoning; its `signature` empty), `text`, `tool_use`."""
+    message_stop). Blocks: `thinking` (a thinking model's reasoning, its text carried by its `signature` too, which
+    comes last in a stream, in a signature_delta; with `display` "omitted" its text is left out), `text`,
+    `tool_use`."""
 
     def __init__(self, request: CompletionRequest, tokenizer):
         super().__init__(request, tokenizer)
@@ -304,8 +423,7 @@ class MessagesReply(Reply):
             return "tool_use"
         return "stop_sequence" if outcome.stop is not None else "end_turn"
 
-    @staticmethod
-    def _content(block: dict, whole: bool) -> dict:
+    def _content(self, block: dict, whole: bool) -> dict:
         """A block in Anthropic's shape: whole, or as content_block_start opens it (empty)."""
         if block["kind"] == "call":
             call = block["call"]
@@ -313,7 +431,8 @@ class MessagesReply(Reply):
             return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
         text = block["text"] if whole else ""
         if block["kind"] == "reasoning":
-            return {"type": "thinking", "thinking": text, "signature": ""}
+            shown = "" if self.request.omit_thinking else text
+            return {"type": "thinking", "thinking": shown, "signature": signature(text) if whole else ""}
         return {"type": "text", "text": text}
 
     def _events(self, changes) -> list:
@@ -333,6 +452,8 @@ class MessagesReply(Reply):
                     )
             elif change == "delta":
                 kind = self.blocks.blocks[index]["kind"]
+                if kind == "reasoning" and self.request.omit_thinking:
+                    continue
                 delta = (
                     {"type": "thinking_delta", "thinking": value}
                     if kind == "reasoning"
@@ -340,6 +461,11 @@ class MessagesReply(Reply):
                 )
                 events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
             else:
+                if value["kind"] == "reasoning":  # the signature, just before the block's stop (as Anthropic's)
+                    delta = {"type": "signature_delta", "signature": signature(value["text"])}
+                    events.append(
+                        ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+                    )
                 events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
         return events
 
