@@ -41,17 +41,17 @@ from dflash2_apps.bench_report import (
 )
 from dflash2_apps.common import add_bench_model_args, bench_prompts, command_line, load_bench_models, write_markdown
 from dflash2_apps.compare import load_comparison, render_comparison
-from dflash2_apps.peer_engines import PeerError, PeerEngines, check_python, parse_engines
+from dflash2_apps.peer_engines import PeerEngines, PeerError, check_python, parse_engines
 from dflash2_mlx import stream_cycles
 from dflash2_mlx.adaptive import AdaptiveConfig, ShadowBlocks
 from dflash2_mlx.costs import load_or_measure_costs
 from dflash2_mlx.decode import dflash_steps
 from dflash2_mlx.generate import resolve_block_size
-from dflash2_mlx.lookup import COPYSPEC_MODES
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_target
-from dflash2_mlx.prompts import prompts_sha256
+from dflash2_mlx.lookup import COPYSPEC_MODES
 from dflash2_mlx.machine import runtime_info
+from dflash2_mlx.prompts import prompts_sha256
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.tree import TREE_BUDGET_MAX, default_budget
 

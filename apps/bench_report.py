@@ -9,9 +9,9 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -154,6 +154,12 @@ def prompt_tps(trials: list[list[Run]], p: int | list[int]) -> float:
     return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
 
 
+def tps_ratio(ours: list[list[Run]], theirs: list[list[Run]], prompts: list[int]) -> float | None:
+    """`prompt_tps` of one method's trials over another's on the same prompts (None where the other's is 0)."""
+    their_tps = prompt_tps(theirs, prompts)
+    return prompt_tps(ours, prompts) / their_tps if their_tps else None
+
+
 def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
     """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
     (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well.
@@ -220,20 +226,15 @@ def adaptive_summary(methods: list[Method], runs: dict, rows: list[dict]) -> lis
         mine = [r for r in rows if r["drafter"] == m.drafter_label]
         if m.kind != "adaptive" or plain is None or not mine:
             continue
-
-        def vs_plain(prompts: list[int]) -> float | None:
-            plain_tps = prompt_tps(runs[plain.name], prompts)
-            return prompt_tps(runs[m.name], prompts) / plain_tps if plain_tps else None
-
         loop_free = [r["prompt"] - 1 for r in mine if r["repeat"] < LOOP_SHARE]
         out.append(
             {
                 "temperature": mine[0]["temperature"],
                 "drafter": m.drafter_label,
                 "prompts": len(mine),
-                "vs_plain": vs_plain([r["prompt"] - 1 for r in mine]),
+                "vs_plain": tps_ratio(runs[m.name], runs[plain.name], [r["prompt"] - 1 for r in mine]),
                 "loop_free_prompts": len(loop_free),
-                "loop_free_vs_plain": vs_plain(loop_free),
+                "loop_free_vs_plain": tps_ratio(runs[m.name], runs[plain.name], loop_free),
                 "loop_share": LOOP_SHARE,
                 "in_loop": [{"prompt": r["prompt"], "repeat": r["repeat"]} for r in mine if r["repeat"] >= LOOP_SHARE],
             }

@@ -77,7 +77,10 @@ def render_comparison(rows: list[dict], ours: list[dict], console) -> str:
     cols = ["source", "target / drafter", "suite", "T", "block", "tau", "speedup"]
     table = Table(*cols, title="compared with CUDA runs")
     md = ["", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+
+    def fmt(v, f):
+        return "-" if v is None else f.format(v)
+
     lines = [
         [
             f"{r.get('engine', '?')} ({r.get('hardware', '?')})",

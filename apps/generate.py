@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
+from dflash2_apps import common
 from dflash2_mlx import distributed, generate
 from dflash2_mlx.machine import runtime_info
 from dflash2_mlx.target import Target
-
-from dflash2_apps import common
 
 
 def add_parser(sub) -> None:

@@ -1,7 +1,7 @@
 """DFlash / DFlash 2 block-diffusion speculative decoding for mlx-lm models."""
 
-from .formats.config import DraftConfig
 from .drafter import DFlashDraftModel
+from .formats.config import DraftConfig
 from .generate import CycleResponse, GenerationResponse, GenerationResult, generate, stream_cycles, stream_generate
 from .loading import load, load_drafter
 from .prompt_cache import PromptCache, PromptCaches

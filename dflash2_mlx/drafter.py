@@ -127,24 +127,21 @@ class Attention(nn.Module):
         q = q.reshape(N, kv, rep, L, hd) * self.scale  # query head h reads key head h // rep
         ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), kv)))[:, :, None]  # [S, kv, 1, C, hd]
         ctx_v = self._heads(self.v_proj(ctx), kv)[:, :, None]
-        per_seq = (
-            lambda t: (
+
+        def per_seq(t):  # [N, ..., L, d] -> [S, ..., A*L, d]
+            return (
                 t.reshape(S, A, *t.shape[1:-2], -1, t.shape[-1])
                 .moveaxis(1, 3)
-                .reshape(  # noqa: E731
-                    S, *t.shape[1:-2], A * L, t.shape[-1]
-                )
+                .reshape(S, *t.shape[1:-2], A * L, t.shape[-1])
             )
-        )  # [N, ..., L, d] -> [S, ..., A*L, d]
-        per_block = (
-            lambda t: (
+
+        def per_block(t):  # the inverse
+            return (
                 t.reshape(S, *t.shape[1:-2], A, L, t.shape[-1])
                 .moveaxis(3, 1)
-                .reshape(  # noqa: E731
-                    N, *t.shape[1:-2], L, t.shape[-1]
-                )
+                .reshape(N, *t.shape[1:-2], L, t.shape[-1])
             )
-        )  # the inverse
+
         rows = mx.tile(mx.arange(L), A)[:, None]  # row within its block, for each of the A*L query rows
         anchor = mx.repeat(anchors, L, axis=1)[:, None, None, :, None]  # [S, 1, 1, A*L, 1]
         ctx_scores = per_seq(q) @ ctx_k.swapaxes(-1, -2)  # [S, kv, rep, A*L, C]
@@ -266,7 +263,7 @@ class DFlashDraftModel(nn.Module):
     layer_class = DecoderLayer
 
     @staticmethod
-    def from_config(config: DraftConfig) -> "DFlashDraftModel":
+    def from_config(config: DraftConfig) -> DFlashDraftModel:
         """The drafter class the config describes (DFlash 2 or v1), built with fresh weights."""
         return (DFlash2DraftModel if config.is_dflash2 else DFlashDraftModel)(config)
 
@@ -287,7 +284,7 @@ class DFlashDraftModel(nn.Module):
         self.context_projected = False
         self.use_kernels("auto")
 
-    def use_kernels(self, choice: str = "auto") -> "DFlashDraftModel":
+    def use_kernels(self, choice: str = "auto") -> DFlashDraftModel:
         """Run the hot ops of the DFlash 2 cycle (the short convolution, the path selector, greedy acceptance)
         as fused Metal kernels or as pure MLX, with the same results: 'auto' (where Metal is available, the
         kernels that pass their one-time self-check, `kernel_check`), 'metal' (every kernel, or an error without
@@ -309,7 +306,7 @@ class DFlashDraftModel(nn.Module):
         output_multiplier: float = 1.0,
         final_logit_softcapping: float | None = None,
         draft_vocab: tuple[mx.array, mx.array] | None = None,
-    ) -> "DFlashDraftModel":
+    ) -> DFlashDraftModel:
         """Use the target's embedding and LM head (both stay frozen and owned by the target). `embed_scale`,
         `output_multiplier` and `final_logit_softcapping` are the target's own (see `target.output_head`):
         the block's embeddings are scaled as the target scales its own (times the config's
@@ -338,7 +335,8 @@ class DFlashDraftModel(nn.Module):
 
         block: [1, B] token ids (anchor, then mask ids); context: [1, S, k*D] target features of the
         committed rows not yet seen by `cache` (appended to it here; [1, S, D] when `context_projected`). For
-        training, block is [N, B], context the features of whole sequences [S, L, k*D], and `training` says where each block sits.
+        training, block is [N, B], context the features of whole sequences [S, L, k*D], and `training` says
+        where each block sits.
         """
         if self._target is None:
             raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")

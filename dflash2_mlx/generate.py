@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -278,8 +278,8 @@ def stream_cycles(
     Generate from `model` (an mlx-lm model, or a `Target` made from one with the drafter bound to it: a target
     sharded over several processes, `distributed.ShardedTarget`), speculatively with `drafter`, or by plain
     decoding of the same target when verify_mode is "off". "dflash" drafts every cycle at `block_size`;
-    "adaptive" (oMLX's default) picks each cycle's block size, up to `block_size` (default: the drafter's trained size), from
-    this machine's measured costs and the acceptance seen so far, plain steps included.
+    "adaptive" (oMLX's default) picks each cycle's block size, up to `block_size` (default: the drafter's
+    trained size), from this machine's measured costs and the acceptance seen so far, plain steps included.
 
     temp, top_p, top_k, min_p: mlx-lm's sampler (`make_sampler`): top-p, min-p and top-k filter the
     untempered log-probabilities, then temperature applies; temp 0 is greedy. At T > 0 the tokens follow

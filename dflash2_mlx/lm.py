@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn

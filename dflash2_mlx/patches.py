@@ -161,7 +161,7 @@ def pipeline_forward(inner: nn.Module) -> str | None:
 
     from mlx_lm.models.base import create_attention_mask
 
-    call = getattr(type(inner), "__call__", None)
+    call = type(inner).__call__  # type's own where the class has none: no __code__
     if (
         getattr(call, "__code__", None) is None
         or call.__globals__.get("create_attention_mask") is not create_attention_mask

@@ -12,9 +12,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Iterator
 
 SUITES = ("code", "chat", "math", "long", "copy")
 HELDOUT_EVERY = 50  # every 50th ShareGPT conversation is held out: `dflash2 data` never trains on it

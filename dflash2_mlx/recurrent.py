@@ -12,7 +12,8 @@ How a layer is made to record, without changing mlx-lm for anyone else, is in `p
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -29,11 +30,8 @@ class Recorded(NamedTuple):
         (q, k, v, a, b, A_log, dt_bias, state0, _mask), kwargs = self.recurrence
         if n == 0:  # the whole pass undone: the state it started from (None if it had none)
             state = state0
-        else:
-            first = lambda x: x[:, :n]  # noqa: E731
-            _, state = self.update(
-                first(q), first(k), first(v), first(a), first(b), A_log, dt_bias, state0, None, **kwargs
-            )
+        else:  # the first n rows of q, k, v, a and b
+            _, state = self.update(*(x[:, :n] for x in (q, k, v, a, b)), A_log, dt_bias, state0, None, **kwargs)
         kept = self.conv_input.shape[1] - q.shape[1]  # the K - 1 rows of the previous conv state
         cache[0] = mx.contiguous(self.conv_input[:, n : n + kept])
         cache[1] = state

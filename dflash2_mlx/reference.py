@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
 
 def _settings(cfg: dict) -> dict:
     d = cfg.get("dflash_config") or {}
-    get = lambda key, default=None: d.get(key, cfg.get(key, default))  # noqa: E731
+
+    def get(key, default=None):
+        return d.get(key, cfg.get(key, default))
+
     rope = cfg.get("rope_parameters") or {}
     return dict(
         heads=cfg["num_attention_heads"],
@@ -95,7 +99,10 @@ def _conv(x, base, dyn, group):
 def _attention(W, p, s, i, x, ctx):
     L, S = len(x), len(ctx)
     h, kvh, hd = s["heads"], s["kv_heads"], s["head_dim"]
-    split = lambda a, n: a.reshape(len(a), n, hd).transpose(1, 0, 2)  # noqa: E731
+
+    def split(a, n):
+        return a.reshape(len(a), n, hd).transpose(1, 0, 2)
+
     q = _rms(split(x @ W[p + "q_proj.weight"].T, h), W[p + "q_norm.weight"], s["eps"])
     kv_in = np.concatenate([ctx, x])
     k = _rms(split(kv_in @ W[p + "k_proj.weight"].T, kvh), W[p + "k_norm.weight"], s["eps"])
@@ -118,25 +125,23 @@ def _attention(W, p, s, i, x, ctx):
     return out.transpose(1, 0, 2).reshape(L, h * hd) @ W[p + "o_proj.weight"].T
 
 
+def _mlp(W, p, x):
+    """The SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    gate = x @ W[p + "gate_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * (x @ W[p + "up_proj.weight"].T)) @ W[p + "down_proj.weight"].T
+
+
 def draft_hidden(cfg: dict, W: dict, embed: np.ndarray, block, context) -> np.ndarray:
     """Normed final hidden rows [B, D] of `block` (anchor + masks), given the target features of the
     committed rows `context` [S, k*D] at positions 0..S-1, with the target's `embed`."""
     s = _settings(cfg)
     x = embed[np.asarray(block)] * s["embed_scale"]
     ctx = _rms(np.asarray(context, np.float64) @ W["fc.weight"].T, W["hidden_norm.weight"], s["eps"])
-    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         sublayers = (
-            ("input_layernorm", "attention_conv", lambda a: _attention(W, p + "self_attn.", s, i, a, ctx)),
-            (
-                "post_attention_layernorm",
-                "mlp_conv",
-                lambda a: (
-                    (silu(a @ W[p + "mlp.gate_proj.weight"].T) * (a @ W[p + "mlp.up_proj.weight"].T))
-                    @ W[p + "mlp.down_proj.weight"].T
-                ),
-            ),
+            ("input_layernorm", "attention_conv", partial(_attention, W, p + "self_attn.", s, i, ctx=ctx)),
+            ("post_attention_layernorm", "mlp_conv", partial(_mlp, W, p + "mlp.")),
         )
         for norm, conv, f in sublayers:
             xn = _rms(x, W[p + norm + ".weight"], s["eps"])

@@ -12,8 +12,8 @@ policy's own: a replay ranks policies (and block sizes) on the recorded answers,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import mlx.core as mx
 

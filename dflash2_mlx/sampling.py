@@ -8,8 +8,9 @@ the distribution mlx-lm's own sampler draws from the target.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm import sample_utils
@@ -198,13 +199,16 @@ class Proposal(NamedTuple):
     # acceptance rule exact; set by `propose`, lazy (computed only if read)
     confidence: mx.array | None = None
 
-    def first(self, n: int) -> "Proposal":
+    def first(self, n: int) -> Proposal:
         """Its first n drafts, a proposal of their own: every row is drawn from its distribution given the
         drafts before it (a DFlash 2 path walked row by row, v1's independent rows), never from later rows, so
         the prefix is what a block of n drafts drawn the same way would be. At T = 0 any prefix is exact."""
         if n >= self.tokens.shape[0]:
             return self
-        cut = lambda a: None if a is None else a[:n]
+
+        def cut(a):
+            return None if a is None else a[:n]
+
         return Proposal(self.tokens[:n], cut(self.candidates), cut(self.probs), self.finite, cut(self.confidence))
 
 

@@ -6,5 +6,8 @@ def sparkline(values: list[float], lo: float | None = None, hi: float | None = N
     bars = "▁▂▃▄▅▆▇█"
     lo = min(values, default=0) if lo is None else lo
     hi = max(values, default=0) if hi is None else hi
-    level = lambda v: 0 if hi == lo else min(len(bars) - 1, max(0, round((v - lo) / (hi - lo) * (len(bars) - 1))))
+
+    def level(v):
+        return 0 if hi == lo else min(len(bars) - 1, max(0, round((v - lo) / (hi - lo) * (len(bars) - 1))))
+
     return "".join(bars[level(v)] for v in values)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from typing import Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -133,7 +134,7 @@ class Capture:
     It owns the model's tapped layers while open: a second capture of the same model (another generation
     interleaved with this one) is refused, never allowed to write into this one's records."""
 
-    def __init__(self, target: "Target"):
+    def __init__(self, target: Target):
         self.target = target
         self.outputs: dict[int, mx.array] = {}
         self.recorders = {i: recurrent.Recorder() for i in target.recurrent}

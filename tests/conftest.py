@@ -9,8 +9,15 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import make_dflash2_drafter, make_drafter, save_drafter, save_target, save_tokenizer, smollm2_or_skip
-from helpers import make_target  # noqa: F401  (test_torch_engine.py imports it from here)
+from helpers import (
+    make_dflash2_drafter,
+    make_drafter,
+    make_target,  # noqa: F401  (test_torch_engine.py imports it from here)
+    save_drafter,
+    save_target,
+    save_tokenizer,
+    smollm2_or_skip,
+)
 from mlx_lm.utils import load_model
 
 

@@ -41,6 +41,19 @@ def scripted(sequence: list[int], seed: int):
     return propose
 
 
+def spied(draft_rows, contexts: list[np.ndarray], started: Path):
+    """`draft_rows` that also appends the context rows it is handed to `contexts`, and touches `started` at its
+    first call (the generation has begun: every rank is inside it)."""
+
+    def spy(block, context, cache):
+        if not contexts:
+            started.touch()
+        contexts.append(np.array(context[0]))
+        return draft_rows(block, context, cache)
+
+    return spy
+
+
 def main(jobs_file: str, out_dir: str) -> None:
     jobs, out = json.loads(Path(jobs_file).read_text()), Path(out_dir)
     group = distributed.init_group("ring", timeout=60)
@@ -59,14 +72,7 @@ def main(jobs_file: str, out_dir: str) -> None:
             distributed.follow(target)
             continue
         contexts, draft_rows = [], drafter.draft_rows
-
-        def spy(block, context, cache):
-            if not contexts:  # the generation has begun: every rank is inside it
-                (out / f"{job['name']}-drafting").touch()
-            contexts.append(np.array(context[0]))
-            return draft_rows(block, context, cache)
-
-        drafter.draft_rows = spy
+        drafter.draft_rows = spied(draft_rows, contexts, out / f"{job['name']}-drafting")
         runs = []
         with distributed.leading(target), distributed.watched(target, job.get("peer_timeout")):
             for settings in job["runs"]:

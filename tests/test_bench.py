@@ -24,9 +24,9 @@ from dflash2_apps.bench import (
     accepted_per_cycle,
     add_cycle_parts,
     drafter_names,
+    method_row,
     methods_for,
     per_prompt_rows,
-    method_row,
 )
 from dflash2_apps.bench_report import (
     COLUMNS,
@@ -797,10 +797,10 @@ def test_published_copy_for_the_peers(tiny_pair, tmp_path):
     """The copy the peers load: a factorised selector's codebooks expanded to V x R tables that give the very
     codes the factorised drafter computes per token (so the same drafts), read back by our own loader; and a
     hub id that a constructed cache resolves offline, as the authors' hub-only `load_draft` needs."""
+    from helpers import make_dflash2_drafter, save_drafter
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import load_model
 
-    from helpers import make_dflash2_drafter, save_drafter
     from dflash2_apps.peer_engines import hub_cache_entry, published_drafter
     from dflash2_mlx.loading import bind_drafter, load_drafter
     from dflash2_mlx.sampling import SamplingParams

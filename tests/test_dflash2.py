@@ -67,7 +67,10 @@ def test_conv_matches_reference(dtype, tol, L, K):
     taps = conv.coefficients(xn)
     taps_np = np.array(taps.astype(mx.float32))
     base = np.array(conv.base_kernel.astype(mx.float32))
-    x64 = lambda a: np.array(a.astype(mx.float32)).astype(np.float64)  # noqa: E731
+
+    def x64(a):
+        return np.array(a.astype(mx.float32)).astype(np.float64)
+
     for half, inp in ((0, xn), (1, y)):
         got = np.array(conv(inp, half, taps).astype(mx.float32))
         want = conv_reference(x64(inp), base[half], taps_np[:, half], 16)
@@ -110,7 +113,10 @@ def selector_reference(hidden, logits, anchor, A, Bc, W, k):
     T = logits.shape[0]
     cand = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
     H = hidden @ W.T
-    score = lambda t, a, b: logits[t, b] + np.sum(A[a] * H[t] * Bc[b])  # noqa: E731
+
+    def score(t, a, b):
+        return logits[t, b] + np.sum(A[a] * H[t] * Bc[b])
+
     first = np.array([score(0, anchor, b) for b in cand[0]])
     edges = np.array([[[score(t, a, b) for b in cand[t]] for a in cand[t - 1]] for t in range(1, T)])
     return cand, first, edges.reshape(T - 1, k, k)
@@ -211,7 +217,10 @@ def test_factorised_selector(tokenizer):
     model = make_target("qwen3", seed=2)
     full = make_dflash2_drafter(model)
     small = make_dflash2_drafter(model, selector_factorized=True)
-    count = lambda d: sum(v.size for k, v in tree_flatten(d.parameters()) if "candidate_selector" in k)  # noqa: E731
+
+    def count(d):
+        return sum(v.size for k, v in tree_flatten(d.parameters()) if "candidate_selector" in k)
+
     assert count(small) < count(full) / 2  # 3*D*R instead of D*R + 2*V*R
     plain = generate(model, tokenizer, [9, 8, 7], None, verify_mode="off", max_tokens=20, eos_token_ids=[])
     spec = generate(model, tokenizer, [9, 8, 7], small, walk="viterbi", block_size=6, max_tokens=20, eos_token_ids=[])

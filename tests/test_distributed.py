@@ -1,7 +1,8 @@
 """A target sharded over two processes on this machine (MLX distributed, ring backend on 127.0.0.1): pipeline
 parallel (a tiny qwen2 and a tiny hybrid qwen3_5, pipelined by mlx-lm; a tiny qwen3 and a tiny llama with
-sliding-window layers, pipelined by `patches.pipeline_stage`) and tensor parallel (a tiny qwen3; the hybrid too, with a v1
-drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process and against mlx-lm's own greedy decoding.
+sliding-window layers, pipelined by `patches.pipeline_stage`) and tensor parallel (a tiny qwen3; the hybrid too,
+with a v1 drafter), each with a DFlash v1 and a DFlash 2 drafter, against the same target and drafter in one process
+and against mlx-lm's own greedy decoding.
 
 All the two-process generations run in one launch of `sharded_worker.py` (module fixture); every launch is
 bounded by a timeout, and the group's size is checked (a group of one would make every collective a no-op)."""
@@ -19,10 +20,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model
-
 from helpers import (
     make_dflash2_drafter,
     make_drafter,
@@ -35,6 +32,10 @@ from helpers import (
     start_ring,
     target_config,
 )
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
 from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
 
@@ -69,8 +70,8 @@ CLI = [
     "sys.modules['dflash2_apps']); from dflash2_apps.cli import main; sys.exit(main())",
     str(ROOT / "apps"),
 ]
-# run by the qwen2 pipeline v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks) and plain
-# decoding
+# run by the qwen2 pipeline v1 case only: adaptive mode (its cost measurement, plain runs; a prefill in chunks)
+# and plain decoding
 EXTRA = [
     dict(max_tokens=TOKENS, verify_mode="adaptive", eos_token_ids=[], prefill_step_size=32),
     dict(max_tokens=TOKENS, verify_mode="off", eos_token_ids=[]),
@@ -480,9 +481,8 @@ def test_a_rank_lost_mid_generation_ends_the_other(tmp_path):
 
 def test_architectures_that_cannot_be_sharded_are_refused():
     import mlx.nn as nn
-    from mlx_lm.models import qwen3
-
     from helpers import model_from_config
+    from mlx_lm.models import qwen3
 
     class ScaledQwen3Model(qwen3.Qwen3Model):  # another forward than qwen3's: not pipelined by dflash2
         def __call__(self, inputs, cache=None, input_embeddings=None):

@@ -12,8 +12,8 @@ from helpers import DFLASH2, drafter_config, make_dflash2_drafter, make_drafter,
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import DFlashDraftModel, DraftConfig, load_drafter
-from dflash2_mlx.formats.config import default_target_layer_ids
 from dflash2_mlx.drafter import DFlash2DecoderLayer, DFlash2DraftModel, TrainingBlocks
+from dflash2_mlx.formats.config import default_target_layer_ids
 from dflash2_mlx.loading import bind_drafter
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -86,7 +86,9 @@ def test_sliding_window_context(target):
         noise = mx.zeros_like(ctx).at[:, row].add(5.0)
         return np.array(drafter.hidden(block(7, B), ctx + noise, drafter.make_cache()))
 
-    changed = lambda row: np.abs(perturbed(row) - ref).max(axis=-1)[0] > 1e-5
+    def changed(row):
+        return np.abs(perturbed(row) - ref).max(axis=-1)[0] > 1e-5
+
     assert not changed(P - W).any()  # outside every row's window
     assert changed(P - W + 1).tolist() == [True] + [False] * (B - 1)  # only row 0 still sees it
     assert changed(P - 1).all()
@@ -104,7 +106,7 @@ def test_training_blocks_equal_decoding(target, kind):
     anchors = mx.array([[2, 9, 5], [11, 0, 7]])
     blocks = mx.array([[10 + n] + [255] * (B - 1) for n in range(6)])
     got = np.array(drafter.hidden(blocks, ctx, None, TrainingBlocks(anchors)))
-    for n, (s, a) in enumerate([(s, a) for s in range(S) for a in anchors[s].tolist()]):
+    for n, (s, a) in enumerate([(seq, a) for seq in range(S) for a in anchors[seq].tolist()]):
         expected = drafter.hidden(blocks[n : n + 1], ctx[s : s + 1, :a], drafter.make_cache())
         np.testing.assert_allclose(got[n], np.array(expected[0]), atol=1e-4, rtol=1e-4)
 
@@ -261,7 +263,10 @@ def test_each_architecture_is_its_own_class():
     assert type(v1) is DFlashDraftModel and type(v2) is DFlash2DraftModel
     assert not any(isinstance(layer, DFlash2DecoderLayer) for layer in v1.layers)
     assert all(isinstance(layer, DFlash2DecoderLayer) for layer in v2.layers)
-    names = lambda m: {k.split(".")[-2] for k, _ in tree_flatten(m.parameters()) if "." in k}  # noqa: E731
+
+    def names(m):
+        return {k.split(".")[-2] for k, _ in tree_flatten(m.parameters()) if "." in k}
+
     assert not names(v1) & {"attention_conv", "mlp_conv", "candidate_selector"}
     assert {"kernel_projection"} <= names(v2) and any(
         k.startswith("candidate_selector.") for k, _ in tree_flatten(v2.parameters())

@@ -140,7 +140,10 @@ def test_eos_ends_as_mlx_lms_does(tokenizer):
     stopping.eos_token_ids = {free[12]}  # a token the greedy run emits: it stops there
     ours = list(lm.stream_generate(model, stopping, prompt, max_tokens=N, draft_model=oracle, verify_mode="dflash"))
     theirs = mlx_lm_responses(model, stopping, prompt)
-    fields = lambda r: (r.token, r.text, r.generation_tokens, r.finish_reason)  # noqa: E731
+
+    def fields(r):
+        return (r.token, r.text, r.generation_tokens, r.finish_reason)
+
     assert [fields(r) for r in ours] == [fields(r) for r in theirs]
     assert ours[-1].finish_reason == "stop" and len(ours) <= 13
 
@@ -170,10 +173,16 @@ import mlx.core as mx
 from mlx_lm import load, generate
 from mlx_lm.sample_utils import make_sampler
 
+
+
+def second_best(logprobs):
+    return mx.argsort(logprobs, axis=-1)[:, -2]
+
+
 model, tokenizer = load(sys.argv[1])
 mx.random.seed(7)
 print(generate(model, tokenizer, "w1 w2 w3", max_tokens=20, sampler=make_sampler(temp=0.9, top_k=30)))
-print(generate(model, tokenizer, "w1 w2 w3", max_tokens=20, sampler=lambda logprobs: mx.argsort(logprobs, axis=-1)[:, -2]))
+print(generate(model, tokenizer, "w1 w2 w3", max_tokens=20, sampler=second_best))
 """
 
 
@@ -451,8 +460,8 @@ def test_server_completion_logprobs_in_openais_shape(logprob_server):
 def test_server_logprobs_leave_out_the_eos_and_come_from_the_rows(logprob_server, monkeypatch):
     """The rows the loop hands over become the answer's numbers (a generation replaced by one whose rows are
     known); the EOS that ends it adds no text and is not listed, as it is not in the message."""
-    from dflash2_mlx.server import scheduler
     from dflash2_mlx.generate import CycleResponse
+    from dflash2_mlx.server import scheduler
 
     app, port = logprob_server
     V = app.vocab_size

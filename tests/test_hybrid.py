@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    N,
     SETTINGS,
+    N,
     V,
     chi_square,
     exact_distribution,

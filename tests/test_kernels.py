@@ -303,7 +303,10 @@ def test_conv_gradients_go_through_the_pure_op(monkeypatch):
     kernel's forward is stood in for by one without gradients: only the custom vjp can give them."""
     monkeypatch.setattr(kernels, "dynamic_conv", lambda *a: mx.stop_gradient(dynamic_conv_mlx(*a)))
     (x, base, dyn), _ = conv_case((2,), 5, 32, 2, 16, mx.float32, seed=3)
-    loss = lambda f: lambda *a: mx.sum(f(*a) ** 2)  # noqa: E731
+
+    def loss(f):
+        return lambda *a: mx.sum(f(*a) ** 2)
+
     got = mx.grad(loss(partial(dynamic_conv, metal=True)), argnums=(0, 1, 2))(x, base, dyn)
     want = mx.grad(loss(dynamic_conv_mlx), argnums=(0, 1, 2))(x, base, dyn)
     for g, w in zip(got, want):

@@ -5,8 +5,8 @@ in law at T > 0. The reference is mlx-lm's `stream_generate` (and its processors
 from __future__ import annotations
 
 import importlib
-import itertools
 import io
+import itertools
 import json
 import sys
 from collections import Counter
@@ -15,9 +15,9 @@ import mlx.core as mx
 import pytest
 from helpers import (
     COSTS,
-    N,
     N_BROKEN,
     PROMPT,
+    N,
     SiblingOracle,
     V,
     chi_square,
@@ -41,9 +41,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash2_apps.cli import main
 from dflash2_mlx import generate
-from dflash2_mlx.decode import dflash_steps, plain_steps, tree_steps
 from dflash2_mlx.adaptive import AdaptiveBlocks, AdaptiveConfig, FixedBlocks
 from dflash2_mlx.costs import CostModel
+from dflash2_mlx.decode import dflash_steps, plain_steps, tree_steps
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import Processing, SamplingParams

@@ -126,7 +126,8 @@ def test_max_context_falls_back_and_says_so(tokenizer):
 
 @pytest.mark.parametrize("mode", ["auto", "conservative", "aggressive", "off"])
 def test_omlx_copyspec_mode(tmp_path, mode):
-    """dflash-mlx's `copyspec_mode` values are read as `--copyspec-mode`; unset it is the default; others are refused."""
+    """dflash-mlx's `copyspec_mode` values are read as `--copyspec-mode`; unset it is the default; others are
+    refused."""
     assert from_omlx(omlx_file(tmp_path, dflash_enabled=True, copyspec_mode=mode), "my/model").copyspec_mode == mode
     assert from_omlx(omlx_file(tmp_path, dflash_enabled=True), "my/model").copyspec_mode is None
     with pytest.raises(ValueError, match="copyspec_mode 'always' of 'my/model' is not one of"):

@@ -40,7 +40,10 @@ def check_sequence(model, tokenizer, drafter, trimmable: bool, **kw):
     """Five prompts through one cache: an extension of the conversation, an early divergence, a prefix of the
     last prompt, an unrelated prompt; each run must equal a fresh run of the same prompt."""
     rng = random.Random(0)
-    words = lambda n: [rng.randrange(6, 250) for _ in range(n)]  # noqa: E731
+
+    def words(n):
+        return [rng.randrange(6, 250) for _ in range(n)]
+
     proposals, cache = recording(drafter), PromptCache()
     p1 = words(9)
     first = run(model, tokenizer, p1, drafter, proposals, cache, **kw)

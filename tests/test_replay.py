@@ -92,14 +92,12 @@ def test_the_replay_makes_the_decode_loops_calls(tokenizer, monkeypatch, logit_s
     )
     model = make_target("llama", seed=7)
     prompt = prompts(1, seed=6)[0]
-    oracle = lambda: make_oracle(
-        model,
-        prompt,
-        block_size=8,
-        right_between=(40, 90),  # noqa: E731
-        wrong_every=wrong_every,
-        logit_scale=logit_scale,
-    )
+
+    def oracle():
+        return make_oracle(
+            model, prompt, block_size=8, right_between=(40, 90), wrong_every=wrong_every, logit_scale=logit_scale
+        )
+
     records = list(
         generate_module.stream_cycles(
             model, tokenizer, prompt, oracle(), verify_mode="adaptive", max_tokens=140, eos_token_ids=[]

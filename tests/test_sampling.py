@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import (
-    N,
     N_BROKEN,
     SETTINGS,
+    N,
     V,
     assert_follows_mlx_lm,
     chi_square,
@@ -96,7 +96,9 @@ def test_adaptive_sampling_follows_mlx_lm_where_confidence_cuts_the_blocks(pair)
             verified.append(super().verified_block(B, confidence, left))
             return verified[-1]
 
-    blocks = lambda: Recorded(COSTS_STEEP, AdaptiveConfig(4))  # noqa: E731
+    def blocks():
+        return Recorded(COSTS_STEEP, AdaptiveConfig(4))
+
     assert_follows_mlx_lm(model, sample_sequences(target, drafter, params, seed=7, blocks=blocks), params)
     assert min(verified.count(2), verified.count(3)) > N // 10, Counter(verified)  # both, often
 
@@ -117,7 +119,10 @@ def test_adaptive_sampling_follows_mlx_lm_where_drafts_go_unverified(pair):
             return verified[-1]
 
     costs = CostModel([1.0, 1.5, 1.6, 2.1], [0.1] * 3)
-    blocks = lambda: Recorded(costs, AdaptiveConfig(4, prior=[0.95] * 3))  # noqa: E731  (a card that says: draft)
+
+    def blocks():
+        return Recorded(costs, AdaptiveConfig(4, prior=[0.95] * 3))  # a card that says: draft
+
     counts = sample_sequences(bind_drafter(drafter, model), drafter, params, seed=9, blocks=blocks)
     assert_follows_mlx_lm(model, counts, params)
     assert min(verified.count(1), len(verified) - verified.count(1)) > N // 10, Counter(verified)  # both, often
@@ -225,7 +230,10 @@ def test_filters_act_before_temperature():
     """From the formulas (NumPy): the filters read the untempered probabilities, temperature comes last."""
     x = np.array([2.0, 1.0, 0.5, 0.0, -1.0])
     full = np.exp(x) / np.exp(x).sum()  # [0.563, 0.207, 0.126, 0.076, 0.028]
-    tempered = lambda keep: np.where(keep, np.exp(x / 0.5), 0) / np.exp(x / 0.5)[keep].sum()  # noqa: E731
+
+    def tempered(keep):
+        return np.where(keep, np.exp(x / 0.5), 0) / np.exp(x / 0.5)[keep].sum()
+
     logits = mx.array(x[None], dtype=mx.float32)
     # top-p 0.8: the smallest most-likely set reaching 0.8 of the untempered mass, 3 tokens
     # (tempering first would leave one: 0.83 at T = 0.5)

@@ -100,7 +100,7 @@ def test_rollback_equals_fresh_prefill(arch):
     cache = target.make_cache()
     target.prefill(mx.array(history), cache)
     with target.capture() as tap:
-        for cycle in range(12):
+        for _ in range(12):
             block = [int(t) for t in rng.integers(6, 250, size=8)]
             keep = int(rng.integers(1, 9))
             tap.rollback(cache, tap.verify(mx.array(block), cache), keep)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from helpers import (
     ARCHS,
-    N,
     N_BROKEN,
     PROMPT,
     SETTINGS,
+    N,
     SiblingOracle,
     V,
     chi_square,

@@ -21,9 +21,9 @@ from helpers import (
 
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.convert import convert, export
+from dflash2_mlx.formats.vocab import DRAFT_VOCAB_FILE, most_frequent, read_draft_vocab, write_draft_vocab
 from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
-from dflash2_mlx.formats.vocab import DRAFT_VOCAB_FILE, most_frequent, read_draft_vocab, write_draft_vocab
 
 IDS = np.array([2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 200, 233], np.int32)
 

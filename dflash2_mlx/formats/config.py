@@ -7,9 +7,10 @@ the DFlash fields. Everything else (the Qwen3-style decoder fields) is read the 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -144,7 +145,7 @@ class DraftConfig:
         return cfg
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> DraftConfig:
         architecture = (cfg.get("architectures") or ["DFlashDraftModel"])[0]
         if architecture not in _LAYOUTS:
             raise ValueError(f"unknown drafter architecture {architecture!r}; supported: {sorted(_LAYOUTS)}")
@@ -176,7 +177,7 @@ class DraftConfig:
         )
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "DraftConfig":
+    def from_path(cls, path: str | Path) -> DraftConfig:
         path = Path(path) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in drafter folder {path.parent}")

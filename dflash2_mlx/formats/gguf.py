@@ -2,9 +2,9 @@
 
 `mx.load` reads the tensors and metadata; Q4_0 / Q4_1 / Q8_0 tensors arrive as MLX quantized triples
 (weight, scales, biases; group 32). Files with other quantizations (K-quants, Q5_0, ...) are read with
-llama.cpp's own reader (`gguf` on PyPI) and dequantized. This module maps llama.cpp tensor names to mlx-lm's (Hugging Face)
-names, undoes the Q/K row permutation llama.cpp applies to llama-architecture models, keeps the quantized
-tensors quantized or dequantizes them, and rebuilds the tokenizer and chat template from the metadata.
+llama.cpp's own reader (`gguf` on PyPI) and dequantized. This module maps llama.cpp tensor names to mlx-lm's
+(Hugging Face) names, undoes the Q/K row permutation llama.cpp applies to llama-architecture models, keeps the
+quantized tensors quantized or dequantizes them, and rebuilds the tokenizer and chat template from the metadata.
 """
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ def model_config(meta: dict, tensors: dict[str, mx.array]) -> dict:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    get = lambda key, default=None: _meta(meta, f"{arch}.{key}", default)  # noqa: E731
+
+    def get(key, default=None):
+        return _meta(meta, f"{arch}.{key}", default)
+
     heads = get("attention.head_count")
     hidden = get("embedding_length")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -200,7 +203,10 @@ def build_tokenizer(meta: dict):
     bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     pre = _meta(meta, "tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    split = lambda pattern: pre_tokenizers.Split(Regex(pattern), behavior="isolated")  # noqa: E731
+
+    def split(pattern):
+        return pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+
     pre_tokenizer = {
         "default": [split(_GPT2), byte_level],
         "gpt2": [split(_GPT2), byte_level],

@@ -33,7 +33,7 @@ class DraftQuant:
             raise ValueError(f"draft quantization: group size must be 32, 64 or 128, got {self.group_size}")
 
     @classmethod
-    def parse(cls, spec: str) -> "DraftQuant":
+    def parse(cls, spec: str) -> DraftQuant:
         """`w4a16:gs64`, `w8a32:gs32`, `w4` (a16, gs64 by default)."""
         m = _SPEC.match(spec.strip().lower())
         if m is None:

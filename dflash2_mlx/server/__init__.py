@@ -2,9 +2,9 @@
 
 POST /v1/chat/completions and /v1/completions (server-sent events with `"stream": true`), Anthropic's
 /v1/messages (and /v1/messages/count_tokens), OpenAI's /v1/responses, GET /v1/models, GET /health and GET
-/metrics (Prometheus' text format). An API key, CORS origins, a body limit and a read timeout
-are the server's settings (`ServeSettings`). Request fields are OpenAI's and mlx_lm.server's; every response carries `usage` and a `dflash`
-object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
+/metrics (Prometheus' text format). An API key, CORS origins, a body limit and a read timeout are the server's
+settings (`ServeSettings`). Request fields are OpenAI's and mlx_lm.server's; every response carries `usage` and a
+`dflash` object (verify mode that ran, tau, cycles, accepted drafts, reused prompt tokens), non-streaming ones also
 `X-DFlash-*` headers, so a fallback to plain decoding is visible. `logprobs` come in OpenAI's shapes (chat:
 `logprobs` true and `top_logprobs` N; completions: `logprobs` N), streamed with the text too.
 
