@@ -1,6 +1,6 @@
-"""`dflash2 serve`: an OpenAI- and Anthropic-compatible HTTP server over `stream_cycles` (`dflash2_mlx.server`): its flags,
-its signals (SIGINT ends it with 130, SIGTERM with 0) and, for a target sharded over processes, the other ranks'
-part.
+"""`dflash2 serve`: an OpenAI- and Anthropic-compatible HTTP server over `stream_cycles` (`dflash2_mlx.server`):
+its flags, its signals (SIGINT ends it with 130, SIGTERM with 0) and, for a target sharded over processes, the
+other ranks' part.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
         "/metrics. The generation flags are the defaults of requests that do not set them.",
     )
     common.add_model_args(p)
+    common.add_copyspec_args(p)
     common.add_sampling_args(p)
     d = ServeSettings()
     p.add_argument(
@@ -251,7 +252,11 @@ def run(args) -> int:
     try:
         app, server = build_server(args, loaded)
         host, port = server.server_address[:2]
-        mode = args.verify_mode if args.verify_mode == "off" else f"{args.verify_mode} with {args.draft_model}"
+        mode = (
+            args.verify_mode
+            if args.verify_mode == "off"
+            else f"{args.verify_mode} with {args.draft_model}, copy drafts {app.defaults.copyspec_mode}"
+        )
         also = f", also as {', '.join(app.model_names[1:])}" if len(app.model_names) > 1 else ""
         print(f"[dflash2] serving {app.model_id} ({mode}{also}) on http://{host}:{port}", file=sys.stderr, flush=True)
         if args.api_key is None and host not in ("127.0.0.1", "::1", "localhost"):

@@ -25,14 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, fields, replace
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from ..adaptive import CostModel
 from ..generate import encode_text
+from ..lookup import LookupConfig, copyspec_config
 from ..sampling import SamplingParams
 
 log = logging.getLogger("dflash2.serve")
@@ -109,6 +110,9 @@ class GenerationArguments:
     tree_budget: int | None = None
     max_context: int | None = None
     prefill_step_size: int = 2048
+    # copy drafts (`lookup.py`): continuations looked up in the context, verified beside the drafter's block; on
+    # by default, as tool loops and edits repeat what the context holds
+    copyspec_mode: str | LookupConfig = "auto"
     eos_token_ids: Sequence[int] | None = None  # None: the tokenizer's
     logits_processors: Sequence | None = None
     costs: CostModel | None = None  # adaptive mode's cost model, measured once at startup (`warm_start`)
@@ -116,6 +120,9 @@ class GenerationArguments:
     # what it was made with): a request's XTC, whose distribution no draft can be verified against
     sampler: Callable | None = None
     logprobs: int | None = None  # per token, its logprob and this many top ones; None: no logprobs
+
+    def __post_init__(self):
+        copyspec_config(self.copyspec_mode)  # an unknown mode fails when the server starts, naming the known ones
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping) -> GenerationArguments:

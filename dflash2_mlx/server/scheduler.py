@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -38,6 +38,8 @@ COUNTS = {
     "generation_tokens": "tokens generated",
     "cycles": "speculative cycles (each verifies one block of drafts)",
     "accepted_tokens": "draft tokens accepted by verification",
+    "lookup_cycles": "cycles whose accepted drafts came from a lookup in the context (copy drafts, --copyspec-mode)",
+    "lookup_tokens": "draft tokens accepted from lookups in the context (copy drafts; part of accepted_tokens)",
     "prompt_cache_hits": "requests that started from a cached prefix",
     "cached_tokens": "prompt tokens taken from the prompt cache instead of prefilled",
 }
@@ -271,6 +273,9 @@ class Worker:
         if record.accepted is not None:
             counts["cycles"] += 1
             counts["accepted_tokens"] += record.accepted
+            if record.branch == "lookup":
+                counts["lookup_cycles"] += 1
+                counts["lookup_tokens"] += record.accepted
         job.events.put(("record", record))
 
     def _end(self, job: Job, reason: str, cached: int) -> None:
