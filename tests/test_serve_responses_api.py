@@ -1,8 +1,10 @@
 """OpenAI's Responses API (POST /v1/responses) driven by the official `openai` client's `responses.create` over
 real HTTP on 127.0.0.1: at T = 0 its text is the chat endpoint's, and mlx-lm's own greedy text, for the same
 conversation; streamed events in OpenAI's order add up to the response; a function call and its output
-round-trip through the chat template; a thinking model's reasoning as a reasoning item; no server-side state.
-A tiny real target and DFlash 2 drafter, word-level tokenizers."""
+round-trip through the chat template; a thinking model's reasoning as a reasoning item; no server-side state; the
+response object echoes the request's fields; every field of the installed client's `ResponseCreateParams` is
+honoured, ignored as a stateless server must, or refused with a 400 naming it. A tiny real target and DFlash 2
+drafter, word-level tokenizers."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 from helpers import CALL, TIMEOUT, WEATHER_TOOL, emitting, running, save_thinking_target, user
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
+from openai.types.responses.response_create_params import ResponseCreateParamsStreaming
+
+from dflash2_mlx.server.responses_api import IGNORED_FIELDS, REFUSED_FIELDS
 
 MAX = 12
 ASK = "w1 w2 w3"
@@ -166,3 +171,132 @@ def test_what_cannot_be_honoured_gets_a_400_naming_it(plain_server, body, param)
         client(port).responses.create(**{"model": "default_model", "input": ASK, **body})
     assert caught.value.body["param"] == param, caught.value.body
     assert param in caught.value.body["message"]
+
+
+def test_the_response_echoes_the_requests_fields(plain_server):
+    """instructions, max_output_tokens, tools, tool_choice, text, reasoning, metadata, ... as the request gave them,
+    temperature and top_p as they ran; unset: OpenAI's defaults, the server's sampling defaults (--temp 0)."""
+    app, port = plain_server
+    given = dict(
+        instructions="w5 w6",
+        max_output_tokens=3,
+        temperature=0.0,
+        top_p=0.5,
+        tools=[TOOL],
+        tool_choice="none",
+        parallel_tool_calls=False,
+        text={"format": {"type": "text"}},
+        reasoning={"effort": "low"},
+        metadata={"k": "v"},
+        user="u1",
+    )
+    kw = dict(model="default_model", input=ASK)
+    for reply in (
+        client(port).responses.create(**kw, **given),
+        list(client(port).responses.create(**kw, **given, stream=True))[-1].response,
+    ):
+        echoed = {name: getattr(reply, name) for name in given}
+        echoed.update(
+            tools=[t.model_dump(exclude_none=True) for t in reply.tools], text=reply.text.model_dump(exclude_none=True)
+        )
+        echoed.update(reasoning=reply.reasoning.model_dump(exclude_none=True))
+        assert echoed == given
+        assert (reply.store, reply.previous_response_id, reply.background) == (False, None, False)
+    unset = client(port).responses.create(**kw, max_output_tokens=2)
+    assert (unset.instructions, unset.tools, unset.tool_choice, unset.parallel_tool_calls) == (None, [], "auto", True)
+    assert (unset.temperature, unset.top_p, unset.max_output_tokens, unset.reasoning) == (0.0, 1.0, 2, None)
+
+
+# -- every field of responses.create: honoured, ignored as a stateless server must, or refused -----------------
+
+CLIENT_FIELDS = ResponseCreateParamsStreaming.__required_keys__ | ResponseCreateParamsStreaming.__optional_keys__
+# honoured: (a value the server acts on, a value of the wrong type or range: 400 naming the field)
+HONOURED = {
+    "model": ("default_model", 5),
+    "input": (ASK, 5),
+    "instructions": ("w5", 5),
+    "max_output_tokens": (3, 0),
+    "stream": (False, "yes"),
+    "temperature": (0.0, "hot"),
+    "top_p": (0.9, "x"),
+    "tools": (None, "x"),  # the plain template has no tool format: the thinking one's takes them (above)
+    "tool_choice": ("none", "required"),
+    "reasoning": ({"effort": "low"}, "x"),
+    "text": ({"format": {"type": "text"}}, {"format": {"type": "json_object"}}),
+}
+# refused unless absent: a value asking for what this server does not do
+REFUSED = {
+    "background": True,
+    "context_management": [{"type": "compaction", "compact_threshold": 1000}],
+    "conversation": "conv_1",
+    "max_tool_calls": 1,
+    "moderation": {"model": "omni-moderation-latest"},
+    "previous_response_id": "resp_1",
+    "prompt": {"id": "pmpt_1"},
+    "top_logprobs": 2,
+}
+# accepted and not acted on: a value that leaves the answer as it is
+IGNORED = {
+    "access_programs": {"cyber": "standard"},
+    "background_options": {"completion_window": "soonest"},
+    "image": {"context_compression": "auto"},
+    "include": ["reasoning.encrypted_content"],
+    "metadata": {"k": "v"},
+    "parallel_tool_calls": False,
+    "prompt_cache_key": "k1",
+    "prompt_cache_options": {"ttl": "30m", "mode": "implicit"},
+    "prompt_cache_retention": "24h",
+    "safety_identifier": "u1",
+    "service_tier": "auto",
+    "store": True,
+    "stream_options": {"include_obfuscation": False},
+    "truncation": "auto",
+    "user": "u1",
+}
+# values of fields otherwise not acted on that would change the answer: refused
+REFUSED_VALUES = {
+    "include": ["message.output_text.logprobs"],
+    "prompt_cache_options": {"prewarm": True},
+}
+
+
+def test_every_field_of_the_installed_client_has_one_fate():
+    fates = [set(HONOURED), set(REFUSED), set(IGNORED)]
+    assert set().union(*fates) == CLIENT_FIELDS and sum(map(len, fates)) == len(CLIENT_FIELDS), (
+        f"the client sends {sorted(CLIENT_FIELDS - set().union(*fates))} (new) and no longer "
+        f"{sorted(set().union(*fates) - CLIENT_FIELDS)}: give each its fate here, in responses_api.py and in "
+        "docs/server.md"
+    )
+    assert set(REFUSED) == set(REFUSED_FIELDS) and set(IGNORED) == set(IGNORED_FIELDS)
+
+
+def create(port: int, **fields):
+    return client(port).responses.create(**{"model": "default_model", "input": ASK, "max_output_tokens": 4, **fields})
+
+
+@pytest.mark.parametrize("field", sorted(HONOURED))
+def test_an_honoured_field_is_read(plain_server, field):
+    """Its wrong value gets 400 naming it (the server reads it); its right value is answered."""
+    _, port = plain_server
+    good, bad = HONOURED[field]
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(port, **{field: bad})
+    assert caught.value.body["param"] == field and field in caught.value.body["message"], caught.value.body
+    if good is not None:
+        assert create(port, **{field: good}).status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("field, value", [*sorted(REFUSED.items()), *sorted(REFUSED_VALUES.items())])
+def test_a_refused_field_gets_a_400_naming_it(plain_server, field, value):
+    _, port = plain_server
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(port, **{field: value})
+    assert caught.value.body["param"] == field and field in caught.value.body["message"], caught.value.body
+
+
+def test_an_ignored_field_changes_nothing(plain_server):
+    _, port = plain_server
+    want = create(port, max_output_tokens=6).output_text
+    assert want, "a weak test: nothing generated"
+    for field, value in IGNORED.items():
+        assert create(port, max_output_tokens=6, **{field: value}).output_text == want, field

@@ -1,16 +1,19 @@
 """OpenAI's Responses API (POST /v1/responses), as the official `openai` client's `responses.create` and Codex CLI
 speak it, over the chat endpoint's request: a body is translated to the chat completions body that asks for the
 same generation, which `RequestParser` reads, and the answer is shaped as a response object or its stream of
-events (`ResponsesReply`). Nothing is kept between requests: a conversation comes whole in `input`. Every field's
-fate:
+events (`ResponsesReply`). Nothing is kept between requests: a conversation comes whole in `input`. Every field of
+`responses.create` (the `openai` client's `ResponseCreateParams`) has its fate:
 
 - read: `model`, `input` (a string, or items: messages with text parts, `function_call`, `function_call_output`
   and `reasoning` items), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
   `stream`, `tools` (function tools), `tool_choice` ("auto" or "none"), `reasoning.effort` (the template's
-  `reasoning_effort`), `text.format` ("text" only).
+  `reasoning_effort`), `text.format` ("text" only). The response object echoes them (`ECHOED`).
 - refused unless absent: `REFUSED_FIELDS` says why; so are non-function tools, image and file parts,
-  `item_reference` items, tool_choice "required" or a named function (no call can be forced).
-- accepted and not acted on: `IGNORED_FIELDS`, each with why.
+  `item_reference` items, tool_choice "required" or a named function (no call can be forced), `include`
+  "message.output_text.logprobs" and `prompt_cache_options.prewarm` true (an answer with no output).
+- accepted and not acted on: `IGNORED_FIELDS`, each with why; `reasoning.summary` (no summary is written: the
+  reasoning comes whole, in the reasoning item's `content`), `text.verbosity` (no template here takes it), a
+  function tool's `strict` (the arguments are the model's, not constrained to the schema).
 - anything else: ignored, as the chat endpoint ignores what it does not know.
 """
 
@@ -20,6 +23,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass, field, fields
 
 from .protocol import ApiError, CompletionRequest, RequestParser
 from .responses import Blocks, Outcome, Reply
@@ -35,9 +39,14 @@ IGNORED_FIELDS = {
     "parallel_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
     "prompt_cache_key": "prefixes are reused whatever the key (the prompt cache)",
     "prompt_cache_retention": "the prompt cache keeps what its slots hold (--prompt-cache-size)",
-    "include": "nothing more is there to include: reasoning comes as text, never encrypted",
+    "include": "nothing more is there to include: reasoning comes as text, never encrypted (logprobs get a 400)",
     "truncation": "nothing is truncated: a conversation over the context gets a 400",
     "stream_options": "the events carry nothing to obfuscate",
+    "access_programs": "OpenAI's access tiers: one model here, served alike to every client",
+    "background_options": "options of background responses, which are refused (background)",
+    "image": "OpenAI's image compression: images are refused here (text parts only)",
+    "prompt_cache_options": "prefixes are reused whatever the breakpoints and lifetimes (the prompt cache); prewarm "
+    "gets a 400",
 }
 
 REFUSED_FIELDS = {
@@ -48,7 +57,34 @@ REFUSED_FIELDS = {
     "background": "this server runs no background responses: leave background unset (or false)",
     "top_logprobs": "the Responses API's logprobs are not served here: use /v1/chat/completions with logprobs",
     "max_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
+    "context_management": "this server compacts no context: send the conversation as it should be read",
+    "moderation": "this server runs no moderation model: moderate the input and output client-side",
 }
+
+# the request fields the response object echoes, and what it says when a request leaves them unset
+ECHOED = {
+    "instructions": None,
+    "max_output_tokens": None,
+    "tools": [],
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "text": {"format": {"type": "text"}},
+    "reasoning": None,
+    "metadata": {},
+    "user": None,
+    "safety_identifier": None,
+    "prompt_cache_key": None,
+    "truncation": "disabled",
+}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest(CompletionRequest):
+    """A Responses API request: the chat request it asks for, and the request's fields its response object
+    echoes (`ECHOED`, as the request gave them)."""
+
+    echo: dict = field(default_factory=dict)
+
 
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}  # chat's names, as this API's errors name them
 
@@ -71,6 +107,7 @@ def parse(parser: RequestParser, body) -> CompletionRequest:
     for name, why in REFUSED_FIELDS.items():
         if body.get(name) not in (None, False):
             raise ApiError(400, f"'{name}' cannot be honoured: {why}", param=name)
+    _refused_values(body)
     chat = {key: body[key] for key in ("model", "stream", "temperature", "top_p") if key in body}
     chat.update(max_tokens=body.get("max_output_tokens"), messages=_messages(body), **_tools(body))
     effort = _reasoning(body)
@@ -90,9 +127,33 @@ def parse(parser: RequestParser, body) -> CompletionRequest:
                 param="text",
             )
     try:
-        return parser.parse("chat", chat)
+        request = parser.parse("chat", chat)
     except ApiError as e:
         raise e.renamed(CHAT_NAMES) from None
+    echo = {name: body[name] if body.get(name) is not None else unset for name, unset in ECHOED.items()}
+    return ResponsesRequest(**{f.name: getattr(request, f.name) for f in fields(request)}, echo=echo)
+
+
+def _refused_values(body: dict) -> None:
+    """A 400 for values of fields otherwise not acted on that ask for what this server does not do."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(v, str) for v in include)):
+        raise ApiError(400, "'include' must be a list of strings", param="include")
+    if "message.output_text.logprobs" in (include or []):
+        raise ApiError(
+            400,
+            "'include' cannot have \"message.output_text.logprobs\": the Responses API's logprobs are not served "
+            "here: use /v1/chat/completions with logprobs",
+            param="include",
+        )
+    options = body.get("prompt_cache_options")
+    if isinstance(options, dict) and options.get("prewarm"):
+        raise ApiError(
+            400,
+            "'prompt_cache_options.prewarm' cannot be honoured: this server answers every request with its "
+            "generation; leave prewarm unset (the prompt cache keeps the prefixes of the requests it answered)",
+            param="prompt_cache_options",
+        )
 
 
 def _reasoning(body: dict) -> str | None:
@@ -249,7 +310,9 @@ class ResponsesReply(Reply):
         return kind, event
 
     def _response(self, status: str, outcome: Outcome | None = None) -> dict:
-        g, tools = self.request.generation, self.request.tools or []
+        """The response object: its output and usage once `outcome` is there; the request's fields echoed (the
+        sampling ones as they ran: the server's defaults where the request left them unset)."""
+        g = self.request.generation
         body = {
             "id": self.id,
             "object": "response",
@@ -259,17 +322,13 @@ class ResponsesReply(Reply):
             "output": [],
             "error": None,
             "incomplete_details": None,
-            "instructions": None,
-            "max_output_tokens": g.max_tokens,
+            **self.request.echo,
             "temperature": g.temp,
             "top_p": g.top_p,
-            "tools": [{"type": "function", **t["function"]} for t in tools],
-            "tool_choice": "auto",
-            "parallel_tool_calls": True,
             "previous_response_id": None,
-            "store": False,
-            "text": {"format": {"type": "text"}},
-            "metadata": {},
+            "store": False,  # whatever the request said: nothing is kept
+            "background": False,
+            "service_tier": "default",
             "usage": None,
         }
         if outcome is not None:
