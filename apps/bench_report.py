@@ -1,6 +1,6 @@
-"""The report of `dflash2 bench`: rich tables and bars on the terminal, the same as markdown, and JSON; the
-per-prompt statistics behind them (adaptive mode against plain decoding and the best fixed block, how repetitive
-each answer is); what a report records of the code that made it (the commit, the version)."""
+"""The report of `dflash2 bench`: rich tables and bars on the terminal, the same as markdown, and JSON (the
+statistics behind them are `bench_stats.py`); what a report records of the code that made it (the commit, the
+version)."""
 
 from __future__ import annotations
 
@@ -10,52 +10,16 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dflash2_apps.bench_stats import LOOP_SHARE, NGRAM
 from dflash2_mlx import __version__
 from dflash2_mlx.sparkline import sparkline
-
-
-@dataclass
-class Method:
-    name: str
-    kind: str  # "mlx-lm" | "plain" | "mlx-lm-spec" | "dflash" | "adaptive" | "ddtree" | "peer"
-    drafter: object = None
-    block_size: int | None = None
-    walk: str = "greedy"
-    drafter_label: str | None = None
-    tree_budget: int | None = None  # ddtree only
-    peer: object = None  # kind "peer": its `peers.PeerWorker`, None when it cannot run
-    note: str | None = None  # kind "peer": what differs from our rows, or why it cannot run
-    label: str | None = None  # what the report calls it: "DFlash 2 · adaptive", "v1 · B=8" (default: its name)
-    copyspec: str = "auto"  # our rows: --copyspec-mode (copy drafts looked up in the context)
-
-    def __post_init__(self):
-        self.label = self.label or self.name
-
-
-@dataclass
-class Run:
-    tokens: list[int]
-    generation_tps: float
-    prompt_tps: float
-    ttft_s: float
-    peak_memory_gb: float
-    accepted: list[int] = field(default_factory=list)
-    plain_tokens: int = 0  # tokens from the plain steps adaptive mode chose
-    cycle_s: list[float] = field(default_factory=list)  # wall time of each drafting cycle, yield to yield
-    lookup_tokens: int = 0  # accepted drafts from lookups' continuations (the rest of `accepted`: the drafter's)
-
-
-# An answer is "in a loop" when at least this share of its n-grams (`repetition_share`) occurred earlier in it:
-# drafting such an answer is easy, so its speedup says little about the prompts a user sends.
-LOOP_SHARE = 0.5
-NGRAM = 8  # the n-gram length `repetition_share` counts
 
 # The results table's columns: all of them in the markdown (and with `--wide`), the first ones a reader looks at
 # on the terminal by default (T only where the bench ran several temperatures).
@@ -75,34 +39,9 @@ COLUMNS = (
     "lossless",
     "accepted by position",
 )
+
+
 FIRST_COLUMNS = ("method", "T", "tok/s", "vs mlx-lm", "tau", "lossless")
-
-
-def repetition_share(tokens: Sequence[int], n: int = NGRAM) -> float:
-    """The share of an answer's n-grams that occurred earlier in the same answer.
-
-    The n-grams of an answer of L token ids are its L - n + 1 windows `tokens[i:i + n]`; window i counts as
-    repeated when the same n ids stand at some earlier start j < i (the two windows may overlap). The share is
-    the repeated windows over all windows: 0.0 for an answer without a repeated n-gram (or shorter than n),
-    close to 1.0 for one that says the same thing over and over. A sentence of 10 distinct ids said 5 times
-    (L = 50) has 43 windows, of which the first 10 are new: 33 / 43.
-
-    Args:
-        tokens: the answer's token ids.
-        n: the n-gram length.
-
-    Returns:
-        The repeated share of the n-grams, in [0, 1].
-    """
-    windows = len(tokens) - n + 1
-    if windows <= 0:
-        return 0.0
-    seen, repeated = set(), 0
-    for i in range(windows):
-        gram = tuple(tokens[i : i + n])
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / windows
 
 
 def source_commit(folder: Path | None = None) -> str | None:
@@ -138,123 +77,7 @@ def _bar(value: float, scale: float, width: int = 30) -> str:
     return "█" * n + "·" * (width - n)
 
 
-# -- per prompt: adaptive mode against plain decoding and the best fixed block ----------------------------
-
-
-def prompt_tps(trials: list[list[Run]], p: int | list[int]) -> float:
-    """Tokens per second of prompt p (or of the prompts in a list) over all trials (their tokens over their
-    seconds: over an ABBA pair of trials a linear drift weighs on every method alike)."""
-    runs = [
-        runs[i]
-        for runs in trials
-        for i in ([p] if isinstance(p, int) else p)
-        if runs[i] is not None and runs[i].generation_tps > 0
-    ]
-    seconds = sum(len(r.tokens) / r.generation_tps for r in runs)
-    return sum(len(r.tokens) for r in runs) / seconds if seconds else 0.0
-
-
-def tps_ratio(ours: list[list[Run]], theirs: list[list[Run]], prompts: list[int]) -> float | None:
-    """`prompt_tps` of one method's trials over another's on the same prompts (None where the other's is 0)."""
-    their_tps = prompt_tps(theirs, prompts)
-    return prompt_tps(ours, prompts) / their_tps if their_tps else None
-
-
-def per_prompt_rows(methods: list[Method], runs: dict, temp: float) -> list[dict]:
-    """Per prompt and drafter: adaptive mode against plain decoding and the best fixed block of the same drafter
-    (on that prompt), in tokens per second: where adaptive mode drafts, and whether it picks well.
-
-    How much of a difference is the machine's: `vs_plain_trials` and `vs_best_trials` are the lowest and highest
-    of the same ratios trial by trial (each of a trial's runs seconds apart, the ABBA order of `bench.py`), and
-    `same_work_vs_plain` is mlx-lm's tokens per second over plain decoding's, when both ran: the same forwards
-    through two loops, so its distance from 1.00x is what noise alone moves a ratio on this run.
-
-    `repeat` is how far adaptive mode's answers go round in a loop: the share of their 8-grams that occurred
-    earlier in the same answer (`repetition_share`), the mean over trials (at T = 0 every trial's answer is the
-    same)."""
-    plain = next((m for m in methods if m.kind == "plain"), None)
-    same = next((m for m in methods if m.kind == "mlx-lm"), None)
-    rows = []
-    for m in methods:
-        if m.kind != "adaptive" or plain is None:
-            continue
-        fixed = [f for f in methods if f.kind == "dflash" and f.drafter_label == m.drafter_label]
-        for p in range(len(runs[m.name][0])):
-            tps = {f.name: prompt_tps(runs[f.name], p) for f in fixed}
-            best = max(tps, key=tps.get) if tps else None
-            plain_tps, adaptive_tps = prompt_tps(runs[plain.name], p), prompt_tps(runs[m.name], p)
-            adaptive_runs = [r[p] for r in runs[m.name]]
-            tokens = sum(len(r.tokens) for r in adaptive_runs)
-            rivals = [plain.name] + ([best] if best else [])
-            rows.append(
-                {
-                    "temperature": temp,
-                    "prompt": p + 1,
-                    "drafter": m.drafter_label,
-                    "plain_tps": plain_tps,
-                    "adaptive_tps": adaptive_tps,
-                    "best_fixed": best,
-                    "best_fixed_tps": tps[best] if best else None,
-                    "vs_plain": adaptive_tps / plain_tps if plain_tps else None,
-                    "vs_best": adaptive_tps / max(plain_tps, tps[best] if best else 0.0) if plain_tps else None,
-                    "vs_plain_trials": trial_range(runs, m.name, [plain.name], p),
-                    "vs_best_trials": trial_range(runs, m.name, rivals, p),
-                    "same_work_vs_plain": prompt_tps(runs[same.name], p) / plain_tps if same and plain_tps else None,
-                    "plain_share": sum(r.plain_tokens for r in adaptive_runs) / max(1, tokens),
-                    "tokens": tokens / len(adaptive_runs),  # new tokens per run: under max_tokens where it ended at EOS
-                    "repeat": statistics.mean(repetition_share(r.tokens) for r in adaptive_runs),
-                    "fixed_tps": tps,
-                }
-            )
-    return rows
-
-
-def adaptive_summary(methods: list[Method], runs: dict, rows: list[dict]) -> list[dict]:
-    """Per drafter: adaptive mode's tokens per second over plain decoding's on every prompt (all their tokens over
-    all their seconds, every trial), and on the prompts whose answers are not in a loop (`rows`' "repeat" under
-    `LOOP_SHARE`: a loop is easy to draft, so it lifts the first figure above what answers that say something
-    new get); `in_loop` names the prompts left out.
-
-    Args:
-        methods: the bench's methods.
-        runs: each method's runs of one temperature, trial by trial (`runs[name][trial][prompt]`).
-        rows: `per_prompt_rows` of the same runs.
-    """
-    plain = next((m for m in methods if m.kind == "plain"), None)
-    out = []
-    for m in methods:
-        mine = [r for r in rows if r["drafter"] == m.drafter_label]
-        if m.kind != "adaptive" or plain is None or not mine:
-            continue
-        loop_free = [r["prompt"] - 1 for r in mine if r["repeat"] < LOOP_SHARE]
-        out.append(
-            {
-                "temperature": mine[0]["temperature"],
-                "drafter": m.drafter_label,
-                "prompts": len(mine),
-                "vs_plain": tps_ratio(runs[m.name], runs[plain.name], [r["prompt"] - 1 for r in mine]),
-                "loop_free_prompts": len(loop_free),
-                "loop_free_vs_plain": tps_ratio(runs[m.name], runs[plain.name], loop_free),
-                "loop_share": LOOP_SHARE,
-                "in_loop": [{"prompt": r["prompt"], "repeat": r["repeat"]} for r in mine if r["repeat"] >= LOOP_SHARE],
-            }
-        )
-    return out
-
-
-def trial_range(runs: dict, name: str, rivals: list[str], p: int) -> list[float] | None:
-    """[lowest, highest] over trials of method `name`'s tokens per second on prompt p over the fastest of
-    `rivals`' in the same trial (None if a trial lacks a run)."""
-    ratios = []
-    for t, mine in enumerate(runs[name]):
-        theirs = [runs[r][t][p] for r in rivals]
-        if mine[p] is None or any(r is None or r.generation_tps <= 0 for r in theirs):
-            return None
-        ratios.append(mine[p].generation_tps / max(r.generation_tps for r in theirs))
-    return [min(ratios), max(ratios)] if ratios else None
-
-
-# -- the report --------------------------------------------------------------------------------------------
+# -- the report -------------------------------------------------------------------------------------------
 
 
 def header_lines(ctx: dict, temps: list[float]) -> list[str]:

@@ -69,7 +69,7 @@ class AuthorsEngine:
 
     def timings(self, prompt, block_size, repeats) -> dict:
         """The drafter pass and the target's verify pass of one steady-state cycle (one new context row),
-        each timed alone through the engine's own functions, as `bench.cycle_parts` times ours."""
+        each timed alone through the engine's own functions, as `bench_runs.cycle_parts` times ours."""
         import mlx.core as mx
 
         m, model, draft = self.m, self.model, self.draft

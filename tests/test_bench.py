@@ -18,24 +18,10 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import dflash2_mlx.sampling as sampling
-from dflash2_apps.bench import (
-    Method,
-    Run,
-    accepted_per_cycle,
-    add_cycle_parts,
-    drafter_names,
-    method_row,
-    methods_for,
-    per_prompt_rows,
-)
-from dflash2_apps.bench_report import (
-    COLUMNS,
-    adaptive_summary,
-    render,
-    render_per_prompt,
-    repetition_share,
-    source_commit,
-)
+from dflash2_apps.bench_methods import Method, Run, drafter_names, methods_for
+from dflash2_apps.bench_report import COLUMNS, render, render_per_prompt, source_commit
+from dflash2_apps.bench_runs import accepted_per_cycle
+from dflash2_apps.bench_stats import adaptive_summary, add_cycle_parts, method_row, per_prompt_rows, repetition_share
 from dflash2_apps.cli import main
 from dflash2_mlx.adaptive import FixedBlocks
 from dflash2_mlx.costs import CostModel
@@ -239,16 +225,16 @@ def test_a_lossy_method_is_an_error(tiny_pair, tmp_path, monkeypatch, capsys):
 def test_trials_alternate_the_order_of_the_methods(tiny_pair, tmp_path, monkeypatch):
     """Each prompt's methods back to back, A B C, then C B A from one prompt and one trial to the next: a drift
     across a pair costs every method the same (ABBA)."""
-    import dflash2_apps.bench as bench
+    import dflash2_apps.bench_runs as bench_runs
 
     target, drafter = tiny_pair
-    calls, run_method = [], bench.run_method
+    calls, run_method = [], bench_runs.run_method
 
     def recorded(method, *args):
         calls.append(method.name)
         return run_method(method, *args)
 
-    monkeypatch.setattr(bench, "run_method", recorded)
+    monkeypatch.setattr(bench_runs, "run_method", recorded)
     assert (
         main(
             [
@@ -834,7 +820,7 @@ def test_published_copy_for_the_peers(tiny_pair, tmp_path):
 
 
 def test_copyspec_modes_give_each_of_our_rows_once_per_mode():
-    from dflash2_apps.bench import with_copyspec_modes
+    from dflash2_apps.bench_methods import with_copyspec_modes
 
     rows = [Method("mlx-lm", "mlx-lm"), Method("plain", "plain"), Method("d adaptive", "adaptive", drafter=object())]
     assert with_copyspec_modes(rows, ["auto"]) == rows
