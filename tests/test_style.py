@@ -1,5 +1,6 @@
-"""The repository's style checks, as the pre-commit hooks run them (.pre-commit-config.yaml): the commit-msg hook
-that refuses a subject over 72 characters."""
+"""The repository's style checks, as the pre-commit hooks run them (.pre-commit-config.yaml): `ruff check` and
+`ruff format --check` over the whole tree (configured in pyproject.toml), no module of the package over 600 lines,
+and the commit-msg hook that refuses a subject over 72 characters."""
 
 from __future__ import annotations
 
@@ -11,6 +12,46 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBJECT_HOOK = ROOT / ".ci" / "commit_subject.py"
+MAX_MODULE_LINES = 600
+
+
+def ruff(*args: str) -> subprocess.CompletedProcess:
+    """`ruff ARGS` from this environment (the `test` extra pins it), run at the repository's root."""
+    try:
+        import ruff as _  # noqa: F401
+    except ImportError:
+        pytest.fail("ruff is not installed in this environment: pip install -e '.[test]' (the test extra pins it)")
+    return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+def test_ruff_finds_nothing(command):
+    result = ruff(*command)
+    assert result.returncode == 0, (
+        f"`ruff {' '.join(command)}` reports the findings below: fix them (`ruff check --fix`, `ruff format`), "
+        f"then commit\n{result.stdout}{result.stderr}"
+    )
+
+
+def test_ruff_reports_what_it_finds(tmp_path):
+    """The checks above are not vacuous: the configured ruff, on a module with an unused import and a long
+    line, reports both and exits 1."""
+    (tmp_path / "bad.py").write_text("import os\n\nx = '" + "a" * 130 + "'\n")
+    result = ruff("check", "--config", str(ROOT / "pyproject.toml"), "--no-cache", str(tmp_path / "bad.py"))
+    assert result.returncode == 1
+    assert "F401" in result.stdout and "E501" in result.stdout
+
+
+def test_no_module_over_600_lines():
+    """Each module of the package (dflash2_mlx/, apps/) stays under 600 lines: split a longer one by what its
+    parts do."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for folder in ("dflash2_mlx", "apps")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by responsibility): {long}"
 
 
 def subject_hook(tmp_path: Path, message: str) -> subprocess.CompletedProcess:
