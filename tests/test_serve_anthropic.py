@@ -16,11 +16,27 @@ import anthropic
 import mlx.core as mx
 import openai
 import pytest
-from helpers import CALL, TIMEOUT, WEATHER_TOOL, emitting, request, running, save_thinking_target, user
+from helpers import (
+    CALL,
+    COSTS,
+    TIMEOUT,
+    WEATHER_TOOL,
+    SiblingOracle,
+    drafter_config,
+    emitting,
+    make_oracle,
+    request,
+    running,
+    save_thinking_target,
+    user,
+)
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.generate import BatchGenerator
 
+from dflash2_mlx import generate
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.server.messages_api import signature, thinking_budget
 
 MAX = 12
@@ -234,6 +250,64 @@ def test_a_thinking_budget_ends_the_thinking_there(thinking_server, thinking_fol
     assert [b.type for b in unbounded.content] == ["thinking"] and unbounded.content[0].thinking.split()[
         :budget
     ] == reasoning.split()
+
+
+@pytest.mark.parametrize("mode", ["dflash", "adaptive", "ddtree"])
+def test_the_budget_holds_in_every_verify_mode(thinking_folder, mode):
+    """A drafter that proposes the processed target's continuation (the forced marker included, so drafts past
+    the budget are accepted and verified against processed rows): the tokens are mlx-lm's greedy ones forced to
+    the think-end marker after `budget` tokens."""
+    model, tok = mlx_lm_load(str(thinking_folder))
+    prompt = tok.apply_chat_template(user(ASK), add_generation_prompt=True)
+    budget, (end,) = 5, tok.think_end_tokens
+    free = [r.token for r in mlx_lm_stream_generate(model, tok, prompt, max_tokens=budget + 4)]
+    assert end not in free, "a weak test: the model closes its thinking itself"
+    rest = [r.token for r in mlx_lm_stream_generate(model, tok, [*prompt, *free[:budget], end], max_tokens=10)]
+    want = [*free[:budget], end, *rest]
+    procs = [thinking_budget(tok, budget)]
+    if mode == "ddtree":
+        drafter = SiblingOracle(drafter_config(model, block_size=8), model, prompt, 16, None, None, procs)
+        bind_drafter(drafter, model)
+    else:
+        drafter = make_oracle(model, prompt, 8, spoil_seed=3, processors=procs)
+    ours = generate(
+        model,
+        tok,
+        prompt,
+        drafter,
+        verify_mode=mode,
+        block_size=8,
+        max_tokens=len(want),
+        logits_processors=procs,
+        **({"costs": COSTS} if mode == "adaptive" else {"tree_budget": 16} if mode == "ddtree" else {}),
+    )
+    assert ours.tokens[: len(want)] == want and sum(ours.accepted) > 0, (ours.tokens, want)
+
+
+def test_the_budget_holds_in_mlx_lms_batched_decoding(thinking_folder):
+    """Batched requests (mlx-lm's BatchGenerator, which the server decodes them with) give the processor each
+    sequence's prompt and tokens, as plain decoding does: the budgeted one is mlx-lm's greedy text forced to the
+    think-end marker after `budget` tokens, beside a request without a budget."""
+    model, tok = mlx_lm_load(str(thinking_folder))
+    prompts = [tok.apply_chat_template(user(text), add_generation_prompt=True) for text in (ASK, "w4 w5")]
+    budget, (end,) = 3, tok.think_end_tokens
+    free = [r.token for r in mlx_lm_stream_generate(model, tok, prompts[0], max_tokens=budget + 4)]
+    assert end not in free, "a weak test: the model closes its thinking itself"
+    rest = [r.token for r in mlx_lm_stream_generate(model, tok, [*prompts[0], *free[:budget], end], max_tokens=6)]
+    want = [*free[:budget], end, *rest]
+    gen = BatchGenerator(model, completion_batch_size=2, prefill_batch_size=2)
+    try:
+        uids = gen.insert(prompts, max_tokens=[len(want), 8], logits_processors=[[thinking_budget(tok, budget)], []])
+        got, done = {uid: [] for uid in uids}, set()
+        while len(done) < len(uids):
+            _, responses = gen.next()
+            for r in responses:
+                got[r.uid].append(r.token)
+                if r.finish_reason:
+                    done.add(r.uid)
+    finally:
+        gen.close()
+    assert got[uids[0]] == want
 
 
 def test_the_budget_forces_each_token_of_a_longer_end_marker():
