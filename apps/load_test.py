@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -154,10 +157,28 @@ def level_summary(results: list[list[dict]], wall: float) -> dict:
 # -- dflash2 serve against mlx_lm.server ------------------------------------------------------------------------
 
 
+# What each server writes once it listens, with the port it listens on. dflash2 serve takes --port 0 (the system
+# picks a free port) and prints the one it got; mlx_lm.server prints the port it was given, so it is given a free
+# one, and another when a process took that one before it could bind it (`start_server`).
+LISTENING = {
+    "dflash2 serve": re.compile(r"^\[dflash2\] serving .* on http://\S+:(\d+)$", re.MULTILINE),
+    "mlx_lm.server": re.compile(r"Starting httpd at \S+ on port (\d+)"),
+}
+TAKES_PORT_ZERO = ("dflash2 serve",)
+PORT_TRIES = 5
+
+
 def free_port() -> int:
+    """A port free at the time of asking (another process may take it before the server binds it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listening_port(name: str, log: Path) -> int | None:
+    """The port server `name` says in its output (`log`) that it listens on; None before it says so."""
+    found = LISTENING[name].search(log.read_text(errors="replace")) if log.exists() else None
+    return int(found.group(1)) if found else None
 
 
 def healthy(port: int) -> bool:
@@ -171,19 +192,42 @@ def healthy(port: int) -> bool:
         conn.close()
 
 
-def start_server(name: str, cmd: list[str], env: dict, port: int, log: Path, timeout: float) -> subprocess.Popen:
-    """Start a server process (output to `log`) and wait until its /health answers 200."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while not healthy(port):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited ({proc.returncode}) before serving; its output: {log}")
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"{name} did not answer /health within {timeout:g} s; its output: {log}")
-        time.sleep(0.5)
-    return proc
+def start_server(
+    name: str, command: Callable[[int], tuple[list[str], dict]], log: Path, timeout: float
+) -> tuple[subprocess.Popen, int]:
+    """Start server `name` and wait until it says it listens (`LISTENING`) and its /health there answers 200.
+
+    A server that says nothing of its port is never taken for another process answering on the same port. One
+    that cannot bind the free port it was given (taken in between) is started again on another, `PORT_TRIES`
+    times in all.
+
+    Args:
+        name: one of `SERVERS`.
+        command: the server's command and environment for a port (0: the system picks one).
+        log: where its output goes.
+        timeout: seconds each start may take to answer.
+
+    Returns:
+        The server's process and the port it listens on.
+    """
+    for _ in range(PORT_TRIES):
+        cmd, env = command(0 if name in TAKES_PORT_ZERO else free_port())
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            port = listening_port(name, log)
+            if port is not None and proc.poll() is None and healthy(port):
+                return proc, port
+            if proc.poll() is not None:
+                if "Address already in use" in log.read_text(errors="replace"):
+                    break  # its port was taken before it could bind it: another one
+                raise RuntimeError(f"{name} exited ({proc.returncode}) before serving; its output: {log}")
+            if time.monotonic() > deadline:
+                stop_server(proc)
+                raise RuntimeError(f"{name} did not answer /health within {timeout:g} s; its output: {log}")
+            time.sleep(0.5)
+    raise RuntimeError(f"{name} found every port it was given taken, {PORT_TRIES} times; its last output: {log}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -196,8 +240,8 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tuple[list[str], dict]]:
-    """(command, environment) of each server on `port`, serving `target` (the same folder for both)."""
+def server_command(args, target: str, drafter: str, name: str, port: int) -> tuple[list[str], dict]:
+    """(command, environment) of server `name` on `port`, serving `target` (the same folder for both)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     dflash = [
         sys.executable,
@@ -221,7 +265,7 @@ def server_commands(args, target: str, drafter: str, port: int) -> dict[str, tup
     if library:
         mlx_env["LD_PRELOAD"] = f"{library} {env.get('LD_PRELOAD', '')}".strip()
     mlx = [sys.executable, "-m", "mlx_lm.server", "--model", target, "--port", str(port)]
-    return {"dflash2 serve": (dflash, env), "mlx_lm.server": (mlx, mlx_env)}
+    return {"dflash2 serve": (dflash, env), "mlx_lm.server": (mlx, mlx_env)}[name]
 
 
 SERVERS = ("dflash2 serve", "mlx_lm.server")
@@ -290,14 +334,15 @@ def compare(args) -> int:
         source = args.model or f"the default target, {default_target().name}"
         report["target"] = source if source == target else f"{source} (converted once to the mlx-lm folder both load)"
         report["drafter"] = drafter if args.draft_model else f"the bundled {Path(drafter).name}"
-        ports = {name: free_port() for name in SERVERS}
-        commands = {name: server_commands(args, target, drafter, ports[name])[name] for name in SERVERS}
         logs = {name: Path(tmp) / f"{name.split()[0]}.log" for name in SERVERS}
         procs: dict[str, subprocess.Popen] = {}
+        ports: dict[str, int] = {}
         try:
             for name in SERVERS:
-                print(f"[load] starting {name} on port {ports[name]}", file=sys.stderr, flush=True)
-                procs[name] = start_server(name, *commands[name], ports[name], logs[name], args.start_timeout)
+                print(f"[load] starting {name}", file=sys.stderr, flush=True)
+                command = partial(server_command, args, target, drafter, name)
+                procs[name], ports[name] = start_server(name, command, logs[name], args.start_timeout)
+                print(f"[load] {name} listens on port {ports[name]}", file=sys.stderr, flush=True)
             for name in SERVERS:  # warm-up
                 chat_turn("127.0.0.1", ports[name], [{"role": "user", "content": prompts[0]}], 8, args.timeout)
             report["load_average"] = {"both servers": {"before": os.getloadavg()}}

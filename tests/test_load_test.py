@@ -1,16 +1,106 @@
 """`python -m dflash2_apps.load_test --compare`: both servers started on the tiny pair (real processes, real HTTP on
 127.0.0.1), the same streaming clients at two levels run alternately against each (ABBA rounds), and the
-report; the interleaving and the merging of rounds on their own."""
+report; the interleaving and the merging of rounds on their own; how each server's port is found (dflash2 serve on
+port 0, mlx_lm.server started again when its free port was taken), with stand-in servers."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import socket
 import statistics
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 from dflash2_apps import load_test as load
+
+# Stand-ins for the two servers: each binds the port it is given (0: the system picks), answers /health with
+# 200, and then says where it listens as the real one does; a taken port makes it exit with Python's
+# "Address already in use".
+FAKE_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), Health)
+port = server.server_address[1]
+print({"dflash2 serve": f"[dflash2] serving tiny (dflash) on http://127.0.0.1:{port}",
+       "mlx_lm.server": f"Starting httpd at 127.0.0.1 on port {port}..."}[sys.argv[1]], file=sys.stderr, flush=True)
+server.serve_forever()
+"""
+
+
+def fake_server(name: str, ports: list[int]):
+    """The stand-in's command for a port, noting each port it is given in `ports`."""
+
+    def command(port: int):
+        ports.append(port)
+        return [sys.executable, "-c", FAKE_SERVER, name, str(port)], None
+
+    return command
+
+
+@pytest.fixture
+def another_server():
+    """Another process's server on a port of its own, answering /health with 200 as ours do."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_dflash2_serve_takes_port_0_and_is_found_where_it_says(tmp_path):
+    ports = []
+    proc, port = load.start_server("dflash2 serve", fake_server("dflash2 serve", ports), tmp_path / "log", 30)
+    try:
+        assert ports == [0] and port > 0 and load.healthy(port)
+        with socket.socket() as sock:  # the port is the process's own: nothing else can bind it
+            with pytest.raises(OSError):
+                sock.bind(("127.0.0.1", port))
+    finally:
+        load.stop_server(proc)
+    assert proc.returncode is not None
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch, another_server):
+    """mlx_lm.server is given a free port; when another process took it in between (here a server that also
+    answers /health), it is not taken for ours: ours exits, and starts again on the next free port."""
+    given = iter([another_server])
+    real_free_port = load.free_port
+    monkeypatch.setattr(load, "free_port", lambda: next(given, None) or real_free_port())
+    ports = []
+    proc, port = load.start_server("mlx_lm.server", fake_server("mlx_lm.server", ports), tmp_path / "log", 30)
+    try:
+        assert ports[0] == another_server and len(ports) == 2 and port == ports[1] != another_server
+        assert proc.poll() is None and load.healthy(port)
+    finally:
+        load.stop_server(proc)
+
+
+def test_a_server_that_never_gets_a_port_is_an_error(tmp_path, monkeypatch, another_server):
+    monkeypatch.setattr(load, "free_port", lambda: another_server)
+    monkeypatch.setattr(load, "PORT_TRIES", 2)
+    ports = []
+    with pytest.raises(RuntimeError, match=r"mlx_lm.server found every port it was given taken, 2 times"):
+        load.start_server("mlx_lm.server", fake_server("mlx_lm.server", ports), tmp_path / "log", 30)
+    assert ports == [another_server, another_server]
 
 
 def _result(tokens: int, latency: float, prompt: int, text: str) -> dict:
