@@ -8,8 +8,9 @@ settings, are in docs/adaptive.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import mlx.core as mx
 

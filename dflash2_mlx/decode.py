@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Generator, Iterator, NamedTuple
+from collections.abc import Generator, Iterator
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -49,7 +50,6 @@ from .tree import (
     process_tree_rows,
     tree_attention,
 )
-
 
 # MLX's cached buffers are freed after the first token and then every CLEAR_EVERY tokens, as mlx-lm's loop does:
 # buffers left by earlier work (another generation, a drafter pass) made our plain loop 5% slower than
@@ -366,12 +366,13 @@ def tree_steps(
 
 
 def _committer(state: PromptCache, spec: CopySpec | None):
-    """`state.commit`, the committed tokens indexed by `spec`'s lookup first (where there is one)."""
+    """`state.commit`, the committed tokens indexed by `spec`'s lookup (and scoring the match it watches) first
+    (where there is one)."""
     if spec is None:
         return state.commit
 
     def commit(step: Step, pending: list) -> Step:
-        spec.index.extend(step.tokens)
+        spec.commit(step.tokens)
         return state.commit(step, pending)
 
     return commit
@@ -384,14 +385,18 @@ def _left(max_tokens: int | None, produced: int) -> int | None:
 
 def _lookup(spec: CopySpec | None, blocks: BlockPolicy, left: int | None) -> Match | None:
     """The lookup a cycle verifies, with at most `left` - 1 drafts (its bonus the last token), as many as `blocks`
-    finds worth verifying; None where there is no lookup, no match, or none is worth it."""
+    finds worth verifying; None where there is no lookup, no match, or none is worth it (the match is then watched:
+    the tokens committed next score it, `CopySpec.watch`)."""
     if spec is None or left is not None and left < 2:
         return None
     match = spec.propose(None if left is None else left - 1)
     if match is None:
         return None
     n = blocks.lookup_drafts(spec.acceptance(match), len(match.tokens))
-    return match._replace(tokens=match.tokens[:n]) if n else None
+    if not n:
+        spec.watch(match)
+        return None
+    return match._replace(tokens=match.tokens[:n])
 
 
 def _verify_line(

@@ -15,8 +15,9 @@ expected tokens (`CopySpec.lookup_wins`). How the modes are set and what they bo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -210,8 +211,10 @@ class CopySpec:
     """One generation's lookups: the index, whether cycles verify two branches, and what each branch is worth.
 
     Acceptance of lookup drafts is tracked on its own, per match-length class and draft position
-    (`adaptive.AcceptanceEstimates`, from neutral estimates), and the drafter's as tokens per cycle; adaptive
-    mode prices a lookup with them (`AdaptiveBlocks.lookup_drafts`).
+    (`adaptive.AcceptanceEstimates`, from neutral estimates, each class starting from the shorter one's), and the
+    drafter's as tokens per cycle; adaptive mode prices a lookup with them (`AdaptiveBlocks.lookup_drafts`). A
+    match left unverified is watched (`watch`): the tokens committed after it score it as a cycle verifying it
+    would have, so acceptance is learnt during plain steps too, at no cost.
 
     Args:
         config: the lookup (`copyspec_config`).
@@ -223,20 +226,61 @@ class CopySpec:
         self.config, self.trees = config, trees
         self.index = LookupIndex(config, prompt)
         self.lookups = [AcceptanceEstimates(config.max_draft, decay=0.8) for _ in range(6)]
-        # decayed mean of tokens a drafter's cycle committed, from one and half a draft: a lookup (which wins ties) is tried
+        # decayed mean of tokens a drafter's cycle committed, from one and half a draft: a lookup (which wins ties)
+        # is tried
         self.drafter_tokens = 1.5
+        # a match left unverified, scored by the tokens committed after it: (its match-length class, its tokens,
+        # the position the next committed token is compared with)
+        self.shadow: tuple[int, list[int], int] | None = None
 
     def propose(self, limit: int | None = None) -> Match | None:
         return self.index.propose(limit)
 
     def acceptance(self, match: Match) -> list[float]:
-        """P(lookup draft i accepted | the drafts before it accepted) for a match of this length."""
-        return self.lookups[match_bucket(match.length)].estimates()
+        """P(lookup draft i accepted | the drafts before it accepted) for a match of this length.
+
+        The shortest class's are its counts' (`AcceptanceEstimates`, from neutral estimates). A class not yet seen
+        takes the next shorter class's; once seen, its first position's counts are shrunk, by one observation's
+        worth, toward the shorter class's first-position estimate, and each later position's toward its own
+        estimate at the position before (a copy that held so far tends to go on).
+        """
+        reference = self.lookups[0].estimates()
+        for estimates in self.lookups[1 : match_bucket(match.length) + 1]:
+            if not any(estimates.seen):
+                continue
+            previous, mine = reference[0], []
+            for h, n in zip(estimates.hits, estimates.seen):
+                previous = (h + previous) / (n + 1.0)
+                mine.append(previous)
+            reference = mine
+        return reference
 
     def expected(self, match: Match, n: int | None = None) -> float:
         """Tokens a cycle verifying the first `n` (default all) of the match's drafts is expected to commit."""
         n = len(match.tokens) if n is None else n
         return expected_tokens(self.acceptance(match), n + 1)
+
+    def watch(self, match: Match) -> None:
+        """Score `match`, left unverified, by the tokens committed next (`commit`): its acceptance is counted as a
+        cycle verifying it would have counted it, at no cost (one match watched at a time)."""
+        if self.shadow is None and match.tokens:
+            self.shadow = (match_bucket(match.length), list(match.tokens), 0)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Index committed `tokens`, scoring the watched match by them first."""
+        if self.shadow is not None:
+            bucket, drafts, i = self.shadow
+            estimates = self.lookups[bucket]
+            for t in tokens:
+                hit = int(t) == drafts[i]
+                estimates.count(i, 1.0, float(hit))
+                i += 1
+                if not hit or i == len(drafts):
+                    self.shadow = None
+                    break
+            else:
+                self.shadow = (bucket, drafts, i)
+        self.index.extend(tokens)
 
     def lookup_wins(self, match: Match, drafter_expected: float | None = None) -> bool:
         """Whether a one-branch cycle verifies the lookup rather than the drafter's path: the lookup is expected
@@ -251,6 +295,7 @@ class CopySpec:
             self.drafter_tokens = 0.8 * self.drafter_tokens + 0.2 * (leading_matches(drafts, committed[:-1]) + 1)
         if match is None:
             return
+        self.shadow = None  # the verified lookup's outcome is counted instead
         accepted = leading_matches(match.tokens, committed[:-1])
         estimates = self.lookups[match_bucket(match.length)]
         for i in range(min(accepted + 1, len(match.tokens))):

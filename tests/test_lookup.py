@@ -10,10 +10,10 @@ import mlx.core as mx
 import pytest
 from helpers import (
     COSTS,
-    N,
     N_BROKEN,
     PROMPT,
     SETTINGS,
+    N,
     V,
     assert_follows_mlx_lm,
     chi_square,
@@ -128,12 +128,44 @@ def test_acceptance_is_tracked_by_match_length():
     assert leading_matches([1, 2, 3], [1, 2, 4, 5]) == 2
     spec = CopySpec(LookupConfig(2, 4), [], trees=True)
     long, short = Match([1, 2, 3, 4], 20), Match([1, 2, 3, 4], 2)
+    assert spec.acceptance(long) == spec.acceptance(short) == [0.5] * 4  # neutral, nothing seen
     for _ in range(10):
         spec.observe(long, [1, 2, 3, 4, 5], [1, 9, 9])
         spec.observe(short, [7, 7], [7, 9, 9])
-    assert spec.expected(long) > 4.5 and spec.expected(short) < 1.2
+    # the long class (16-31): 10 full acceptances, decayed by 0.8, shrunk by one observation toward the first
+    # position of the class below it (8-15, unseen: 2-3's, 1 of ~5.5 seen accepted) and then the position before
+    seen = sum(0.8**k for k in range(10))
+    first_short = 0.5 / (seen + 1.0)  # 2-3: every first draft rejected, shrunk toward the neutral 0.5
+    want, previous = [], first_short
+    for _ in range(4):
+        previous = (seen + previous) / (seen + 1.0)
+        want.append(previous)
+    assert spec.acceptance(short)[0] == pytest.approx(first_short)
+    assert spec.acceptance(long) == pytest.approx(want)
+    assert spec.expected(long) > 3.5 and spec.expected(short) < 1.2
     assert spec.lookup_wins(long) and not spec.lookup_wins(short)
     assert spec.drafter_tokens == pytest.approx(1.5 * 0.8**20 + 2.0 * (1 - 0.8**20))  # 1 draft and the bonus
+    # a class not yet seen (32 and more) starts where the next shorter seen one is
+    assert spec.acceptance(Match([1], 40)) == pytest.approx(want)
+
+
+def test_a_match_left_unverified_is_scored_by_the_tokens_committed():
+    """`watch`: the tokens committed after a match score its drafts as a cycle verifying it would have, one match
+    at a time; a verified lookup's outcome replaces the watched one's."""
+    spec = CopySpec(LookupConfig(2, 8), [1, 2, 3, 4, 5, 6, 1, 2], trees=True)
+    match = spec.propose()
+    assert match == Match([3, 4, 5, 6, 1, 2], 2)
+    spec.watch(match)
+    spec.watch(Match([9, 9], 2))  # one at a time: ignored
+    spec.commit([3])
+    spec.commit([4, 7, 8])  # 3 and 4 accepted, 5 rejected: the rest of the commit is not scored
+    counts = spec.lookups[match_bucket(2)]
+    assert counts.seen[:4] == [1.0, 1.0, 1.0, 0.0] and counts.hits[:4] == [1.0, 1.0, 0.0, 0.0]
+    assert spec.shadow is None and spec.index.tokens[-4:] == [3, 4, 7, 8]  # indexed all the same
+    spec.watch(Match([5, 6], 2))
+    spec.observe(Match([5, 9], 2), [5, 6], None)  # a lookup verified: the watched one is dropped
+    spec.commit([5, 6])
+    assert spec.shadow is None and counts.seen[:2] == [1.8, 1.8] and counts.hits[:2] == [1.8, 0.8]
 
 
 # -- lossless with lookups firing ---------------------------------------------------------------------------------
