@@ -16,8 +16,8 @@ from dflash2_mlx.generate import VERIFY_MODES, stream_cycles
 from dflash2_mlx.kernels import use_metal
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
 from dflash2_mlx.lookup import COPYSPEC_MODES, MODES
-from dflash2_mlx.prompts import SUITES, load_suite
 from dflash2_mlx.omlx_settings import from_omlx
+from dflash2_mlx.prompts import SUITES, load_suite
 
 KERNELS_HELP = "the hot DFlash 2 ops as fused Metal kernels (auto: where Metal exists) or pure MLX; same results"
 
