@@ -6,13 +6,12 @@ from __future__ import annotations
 import sys
 from dataclasses import fields
 
-from dflash2_mlx.loading import load_target
 from dflash2_mlx import process_group as ranks
+from dflash2_mlx.loading import load_target
 from dflash2_mlx.train.data import ENGINES
 from dflash2_mlx.train.export import write_card
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
-
 
 # `dflash2 train` flag -> (TrainSettings field, type, help); each default is the dataclass's, shown in --help.
 TRAIN_FLAGS = {

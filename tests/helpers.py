@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -717,6 +718,40 @@ def user(text):
 
 
 GOOD = user("w1 w2")
+
+
+def call(port, method, path, body=None, headers=None):
+    """(status, headers, body text) of one request with these headers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read().decode()
+    finally:
+        conn.close()
+
+
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_]+=\"[^\"]*\"(?:,[a-zA-Z_]+=\"[^\"]*\")*\})? (\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus' text format: '# HELP'/'# TYPE' lines, then `name{labels} value` samples; every sample's name
+    has a TYPE line. Returns {name or name{labels}: value}."""
+    types, samples = {}, {}
+    for line in text.strip().split("\n"):
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            assert parts[1] in ("HELP", "TYPE") and len(parts) == 4, line
+            if parts[1] == "TYPE":
+                assert parts[3] in ("counter", "gauge"), line
+                types[parts[2]] = parts[3]
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        assert m[1] in types, f"{m[1]} has no # TYPE line"
+        samples[m[1] + (m[2] or "")] = float(m[3])
+    return samples
 
 
 # -- processes that join a ring (MLX distributed, ring backend on 127.0.0.1) --------------------------------------

@@ -26,9 +26,9 @@ from mlx_lm.tool_parsers import json_tools
 import dflash2_apps.serve as serve
 import dflash2_mlx.server.app as server_app
 from dflash2_mlx import costs, generate
-from dflash2_mlx.server import responses, scheduler
 from dflash2_mlx.adaptive import AdaptiveBlocks
 from dflash2_mlx.generate import CycleResponse
+from dflash2_mlx.server import responses, scheduler
 
 
 def client(port: int) -> openai.OpenAI:
@@ -844,8 +844,9 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
     model = make_hybrid(arch, seed=2) if arch == "qwen3_5" else make_target(arch, seed=3)
     worker = scheduler.Worker(model, tokenizer, make_dflash2_drafter(model, block_size=8), 8, True)
     kw = {"max_tokens": 20, "temp": 0.0, "verify_mode": "dflash", "block_size": 4, "eos_token_ids": []}
-    alone = lambda p: (
-        generate(
+
+    def alone(p):
+        return generate(
             model,
             tokenizer,
             p,
@@ -854,7 +855,7 @@ def test_batching_every_cache_kind_answers_as_alone(arch, tokenizer, monkeypatch
             max_tokens=20,  # noqa: E731
             eos_token_ids=[],
         ).tokens
-    )
+
     try:
         prompts = [[5 + i] + list(range(20 + 3 * i, 30 + 5 * i)) for i in range(4)]
         first = worker_answers(worker, prompts, kw, monkeypatch)

@@ -9,8 +9,19 @@ import time
 from contextlib import contextmanager
 
 import pytest
-from helpers import COSTS, TIMEOUT, decide_on, expected, make_dflash2_drafter, make_target, prompts, request, running
-from test_serve_limits import call, parse_metrics
+from helpers import (
+    COSTS,
+    TIMEOUT,
+    call,
+    decide_on,
+    expected,
+    make_dflash2_drafter,
+    make_target,
+    parse_metrics,
+    prompts,
+    request,
+    running,
+)
 
 from dflash2_apps.cli import make_parser
 from dflash2_apps.serve import build_server

@@ -6,13 +6,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import make_target, slow_except
 from mlx_lm.generate import generate_step
 
+from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
 from dflash2_mlx.train.features import FeatureCache
-from dflash2_mlx.target import Target
 from dflash2_mlx.train.torch_engine import TorchTarget, cpu_has_fast_bf16, generate_greedy, supported
-from helpers import make_target, slow_except
 
 torch = pytest.importorskip("torch")
 

@@ -4,31 +4,30 @@ shards, disjoint held-out split) and the trainer (learns, resumes bit-identicall
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 import numpy as np
 import pytest
 from helpers import make_target
 from mlx.utils import tree_flatten
+from mlx_lm import load
 
 import dflash2_mlx.train.data as data
 from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
+from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
-from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
-from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
-from dflash2_mlx.loading import bind_drafter
 from dflash2_mlx.train.batches import make_batch, training_vocabulary
+from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
 from dflash2_mlx.train.export import run_seconds
+from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.train.settings import TrainSettings
 from dflash2_mlx.train.trainer import Trainer, evaluate_folder
 
@@ -348,8 +347,8 @@ def test_a_draft_vocabulary_trains_over_the_most_frequent_response_tokens(tmp_pa
     responses (ties: lower ids), which the exported drafter carries as its draft vocabulary."""
     from collections import Counter
 
-    from dflash2_mlx.train.export import write_card
     from dflash2_mlx.formats.vocab import read_draft_vocab
+    from dflash2_mlx.train.export import write_card
 
     model, folder = train_data
     counts = Counter(t for s in read_shards(folder, heldout=False) for t in s.tokens[s.prompt_len :].tolist())
@@ -478,9 +477,12 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
     (checked in NumPy against every step's raw weights), survives a checkpoint, and is what the run evaluates
     and exports, with the raw weights' tau logged beside it."""
     model, folder = train_data
-    run = lambda ema, until=None: Trainer(
-        model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1, ema=ema)
-    ).run(progress=False, until=until)
+
+    def run(ema, until=None):
+        return Trainer(model, tmp_path / "t", settings(folder, "v1", 5, checkpoint_every=1, ema=ema)).run(
+            progress=False, until=until
+        )
+
     run(0.0, until=2)  # a checkpoint without an average
     seen, real_step = [], Trainer.train_step
 

@@ -23,10 +23,10 @@ from helpers import make_target, save_target, start_ring, stop
 
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.loading import load_target
+from dflash2_mlx.process_group import WATCHDOG_EXIT
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import Sample, read_shards, write_shard
-from dflash2_mlx.process_group import WATCHDOG_EXIT
 from dflash2_mlx.train.settings import TrainSettings, check_world_size
 from dflash2_mlx.train.trainer import Trainer
 
@@ -92,7 +92,8 @@ def _driver(root: Path) -> Path:
         "from dflash2_mlx.train.trainer import Trainer\n"
         "real = Trainer.train_step\n"
         "def train_step(self):\n"
-        "    if os.environ.get('MLX_RANK') == os.environ.get('KILL_RANK') and self.step == int(os.environ['KILL_AT']):\n"
+        "    killed = os.environ.get('MLX_RANK') == os.environ.get('KILL_RANK')\n"
+        "    if killed and self.step == int(os.environ['KILL_AT']):\n"
         "        os.kill(os.getpid(), getattr(signal, os.environ['KILL_SIGNAL']))\n"
         "    return real(self)\n"
         "Trainer.train_step = train_step\n"

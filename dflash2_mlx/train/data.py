@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import numpy as np

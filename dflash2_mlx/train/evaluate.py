@@ -4,7 +4,8 @@ accept. The blocks of a few sequences are drafted in one drafter pass and walked
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -48,10 +49,10 @@ def evaluate(
     peers=None,
 ) -> Evaluation:
     """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position,
-    over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`; `context(batch)` gives the drafter's
-    context rows of a batch (whose `picked` are indices into `samples`). With `peers` (the ranks of a
-    data-parallel run, each holding the same drafter) each rank drafts one in N of the chunks and the ranks
-    sum their counts: every rank gets the numbers of the whole evaluation."""
+    over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`;
+    `context(batch)` gives the drafter's context rows of a batch (whose `picked` are indices into `samples`).
+    With `peers` (the ranks of a data-parallel run, each holding the same drafter) each rank drafts one in N of
+    the chunks and the ranks sum their counts: every rank gets the numbers of the whole evaluation."""
     if not indices:
         return Evaluation(float("nan"), float("nan"), ())
     B = settings.block_size

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import numpy as np

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from mlx.utils import tree_flatten

@@ -41,55 +41,21 @@ from ..formats.card import CARD_FILE
 from ..formats.config import DraftConfig
 from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
+from ..process_group import ProcessGroup
 from ..target import Target
 from .batches import Batch, loss_vocabulary, make_batch, share
 from .data import pick_engine
 from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
+from .init_weights import identity_selector, layers_from_target
 from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
-from ..process_group import ProcessGroup
 from .settings import TrainSettings, check_world_size, settle
 
 logger = logging.getLogger(__name__)
 
 AVERAGE_FILE = "average.safetensors"
 HEARTBEAT = 10.0  # seconds of feature-cache work between the ranks' check-ins (data parallel)
-
-
-def layers_from_target(drafter: DFlashDraftModel, target: Target) -> None:
-    """Start the drafter's L layers as the target's last L layers, and its final norm as the target's: the
-    drafter then begins where the target ends (its output already lives in the LM head's space). Weights are
-    matched by name and shape (attention and MLP projections, norms); what the target lacks keeps its init."""
-    L = len(drafter.layers)
-    if L > target.num_layers:
-        raise ValueError(f"--init-from-target: the drafter has {L} layers, the target only {target.num_layers}")
-    pairs = [(f"layers.{i}.", target.layers[target.num_layers - L + i]) for i in range(L)]
-    if target.final_norm is not None:
-        pairs.append(("norm.", target.final_norm))
-    own = dict(tree_flatten(drafter.parameters()))
-    weights = {}
-    for prefix, module in pairs:
-        if any(isinstance(m, nn.QuantizedLinear) for _, m in module.named_modules()):
-            raise ValueError("--init-from-target needs a target with float weights; load it unquantized")
-        for name, value in tree_flatten(module.parameters()):
-            if own.get(prefix + name) is not None and own[prefix + name].shape == value.shape:
-                weights[prefix + name] = value.astype(own[prefix + name].dtype)
-    if not any(k.startswith("layers.") for k in weights):
-        raise ValueError(
-            f"--init-from-target: no weight of the target's layers ({type(pairs[0][1]).__name__}) "
-            "matches the drafter's names and shapes"
-        )
-    drafter.load_weights(list(weights.items()), strict=False)
-    mx.eval(drafter.parameters())
-
-
-def _identity_selector(drafter: DFlashDraftModel) -> None:
-    """Zero successor codes: every pair score is the unary one, so a new DFlash 2 drafter drafts as its v1
-    core does (its convolutions start as identity too) and learns the pairwise term from there."""
-    sel = drafter.candidate_selector
-    table = sel.successor_projection if sel.factorized else sel.successor_codebook
-    table.weight = mx.zeros_like(table.weight)
 
 
 class Trainer:
@@ -151,7 +117,7 @@ class Trainer:
         mx.random.seed(settings.seed)
         self.drafter = DFlashDraftModel.from_config(config)
         if config.is_dflash2:
-            _identity_selector(self.drafter)
+            identity_selector(self.drafter)
         ids = loss_vocabulary(self.train_samples, settings, config.vocab_size)
         self.drafter.draft_vocab = ids if settings.reduced_vocabulary or settings.draft_vocab else None
         bind_drafter(self.drafter, model)

@@ -6,7 +6,8 @@ response (every position with B-1 response tokens after it) what a T = 0 verific
 known without the target: the linear drafts' leading matches with the next B-1 tokens, and for a tree the
 longest root path whose tokens are those tokens (`Tree.walk` with the gold token as every node's choice).
 The drafter sees the target's features of everything before the anchor, as in decoding; one target pass
-per sample gives them all, and one drafter pass per sample drafts every anchor's block, and one greedy walk walks them all.
+per sample gives them all, and one drafter pass per sample drafts every anchor's block, and one greedy walk
+walks them all.
 """
 
 from __future__ import annotations
