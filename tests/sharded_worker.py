@@ -2,10 +2,12 @@
 
     python tests/sharded_worker.py JOBS.json OUT_DIR
 
-For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings;
+For each job (a target folder, a drafter folder, pipeline or tensor, a prompt of token ids, generation settings
+(a `copyspec_mode` of [min_match, max_draft] is a `LookupConfig`);
 optionally prompts to run through one prompt cache, and the target's greedy continuation to script drafts from)
 every rank loads its share of the target and the drafter; rank 0 generates (the other ranks follow) and writes
-OUT_DIR/<name>-drafting (empty) once it drafts the first block, OUT_DIR/<name>.json (the tokens of each run) and
+OUT_DIR/<name>-drafting (empty) once it drafts the first block, OUT_DIR/<name>.json (each run's tokens, accepted
+drafts, each cycle's lookup branch and the drafts lookups gave) and
 OUT_DIR/<name>-context.npy (the context rows the drafter was handed during the first run, in order); every rank
 writes OUT_DIR/<name>-rank<r>.json (the group's size, the layers it holds and the drafter's among them).
 """
@@ -20,7 +22,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash2_mlx import PromptCache, distributed, generate
+from dflash2_mlx import PromptCache, distributed, generate, stream_cycles
+from dflash2_mlx.generate import summarize
+from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.sampling import Proposal
 
 
@@ -76,8 +80,19 @@ def main(jobs_file: str, out_dir: str) -> None:
         runs = []
         with distributed.leading(target), distributed.watched(target, job.get("peer_timeout")):
             for settings in job["runs"]:
-                result = generate(target, tokenizer, job["prompt"], drafter, **settings)
-                runs.append({"tokens": result.tokens, "accepted": result.accepted})
+                if isinstance(settings.get("copyspec_mode"), list):  # [min_match, max_draft]
+                    settings = dict(settings, copyspec_mode=LookupConfig(*settings["copyspec_mode"]))
+                records = list(stream_cycles(target, tokenizer, job["prompt"], drafter, **settings))
+                result = summarize(records, drafter, settings.get("block_size"))
+                branches = [r.branch for r in records]
+                runs.append(
+                    {
+                        "tokens": result.tokens,
+                        "accepted": result.accepted,
+                        "branches": branches,
+                        "lookup_tokens": result.lookup_tokens,
+                    }
+                )
                 drafter.draft_rows = draft_rows  # the contexts of the first run only
             if job.get("cached"):  # consecutive prompts through one prompt cache (a shared prefix reused)
                 cache = PromptCache()

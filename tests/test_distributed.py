@@ -38,6 +38,7 @@ from mlx_lm.utils import load_model
 
 from dflash2_mlx import PromptCache, generate, load, patches
 from dflash2_mlx.distributed import MESSAGE_IDS, ShardedTarget, check_shardable
+from dflash2_mlx.lookup import LookupConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "sharded_worker.py"
@@ -174,10 +175,14 @@ def build_folders(root: Path) -> dict:
     return folders
 
 
+def greedy_sampler(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
 def mlx_lm_greedy(target: Path) -> list[int]:
     """The target's greedy continuation of PROMPT by mlx-lm's own decoding loop."""
     model, _ = load_model(target)
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=TOKENS, sampler=lambda x: mx.argmax(x, axis=-1))
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=TOKENS, sampler=greedy_sampler)
     return [int(token) for token, _ in steps]
 
 
@@ -343,6 +348,58 @@ def test_adaptive_and_plain_decoding(sharded):
     found, references = sharded
     adaptive, plain = found["qwen2-pipeline-v1"]["runs"][2:4]
     assert adaptive["tokens"] == plain["tokens"] == references["qwen2-pipeline-v1"]["mlx_lm"]
+
+
+# -- copy drafts (`--copyspec-mode`) -------------------------------------------------------------------------------
+
+# case -> (target architecture, sharding): tensor parallel, and the hybrid's recurrent states rolled back in a pipeline
+COPY_CASES = {"qwen3-tensor": ("qwen3", "tensor"), "qwen3_5-pipeline": ("qwen3_5", "pipeline")}
+# lookups from matches of one token (`LookupConfig(1, 8)`, a list in the worker's jobs): they fire most
+COPY = dict(GREEDY, copyspec_mode=[1, 8])
+
+
+@pytest.mark.slow  # 9-10 s: one two-process launch
+def test_lookups_on_a_sharded_target_match_mlx_lm(tmp_path):
+    """Copy drafts on a target sharded over two processes (one branch per cycle: a lookup alone, or the drafter's
+    path), on a prompt that repeats itself: p, mlx-lm's greedy answer to p, then p again. Lookups were verified in
+    fixed blocks (and gave drafts) and in adaptive mode (plain runs that end where a lookup pays); the tokens are
+    mlx-lm's greedy ones. At T = 2 the hybrid (one branch per cycle in one process too) gives the one-process
+    generation's tokens."""
+    jobs, references = [], {}
+    for case, (arch, mode) in COPY_CASES.items():
+        if arch == "qwen3_5":
+            hybrid = make_hybrid("qwen3_5")
+            target = save_indexed(tmp_path / case, hybrid, hybrid.args_config)
+        else:
+            target = write_index(save_target(tmp_path / case, arch))
+        model, _ = load_model(target)
+        drafter = save_drafter(tmp_path / f"{case}-drafter", make_dflash2_drafter(model, block_size=8, mask_token_id=5))
+        p = PROMPT[:30]
+        answer = [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=TOKENS, sampler=greedy_sampler)]
+        prompt = p + answer + p
+        steps = generate_step(mx.array(prompt), model, max_tokens=TOKENS, sampler=greedy_sampler)
+        references[case] = {"greedy": [int(t) for t, _ in steps]}
+        runs = [COPY, dict(COPY, verify_mode="adaptive")]
+        if arch == "qwen3_5":
+            one, tokenizer, one_drafter = load(str(target), str(drafter), dtype="float32", kernels="mlx")
+            settings = dict(COPY, copyspec_mode=LookupConfig(1, 8), temp=2.0, seed=3)
+            references[case]["sampled"] = generate(one, tokenizer, prompt, one_drafter, **settings).tokens
+            runs.append(dict(COPY, temp=2.0, seed=3))
+        jobs.append(dict(name=case, target=str(target), drafter=str(drafter), mode=mode, prompt=prompt, runs=runs))
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "out").mkdir()
+    command = [sys.executable, str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path / "out")]
+    results = launch([command, command], tmp_path / "launch")
+    assert [r["returncode"] for r in results] == [0, 0], results
+    for case in COPY_CASES:
+        assert [json.loads((tmp_path / "out" / f"{case}-rank{r}.json").read_text())["size"] for r in (0, 1)] == [2, 2]
+        greedy, adaptive, *sampled = json.loads((tmp_path / "out" / f"{case}.json").read_text())["runs"]
+        assert greedy["tokens"] == adaptive["tokens"] == references[case]["greedy"], case
+        assert greedy["lookup_tokens"] > 0, (case, greedy)
+        assert "lookup" in adaptive["branches"], (case, adaptive)  # a fresh match's neutral estimate pays
+        if sampled:
+            assert sampled[0]["tokens"] == references[case]["sampled"] != greedy["tokens"], case
+            assert "lookup" in sampled[0]["branches"], (case, sampled[0])
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------
