@@ -1,9 +1,11 @@
 """`dflash2 serve` with copy drafts (`--copyspec-mode`, `auto` by default): over real HTTP on 127.0.0.1 a prompt that
-repeats a passage gets plain decoding's answer, and GET /metrics counts the drafts lookups gave (none with the mode
-off); requests decoded together in mlx-lm's BatchGenerator answer as alone."""
+repeats a passage gets plain decoding's answer, and GET /metrics, GET /health and the answer's `dflash` statistics
+count the drafts lookups gave (none with the mode off); requests decoded together in mlx-lm's BatchGenerator answer
+as alone."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -30,6 +32,7 @@ from dflash2_mlx.server import GenerationArguments, scheduler
 from dflash2_mlx.server import app as app_module
 
 MAX_TOKENS = 32
+DECODING = ("cycles", "accepted_tokens", "lookup_cycles", "lookup_tokens")  # GET /health's "decoding" counts
 
 
 def copy_prompt(model, tokenizer) -> list[int]:
@@ -46,7 +49,13 @@ def metrics(port) -> dict[str, float]:
     return parse_metrics(text)
 
 
-def completion(app, port, prompt: list[int]) -> str:
+def health(port) -> dict:
+    status, _, text = call(port, "GET", "/health")
+    assert status == 200, text
+    return json.loads(text)
+
+
+def completion(app, port, prompt: list[int]) -> dict:
     """The server's answer to `prompt` (token ids), checked against the target's own plain decoding."""
     status, _, body = request(
         port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
@@ -54,23 +63,29 @@ def completion(app, port, prompt: list[int]) -> str:
     assert status == 200, body
     want = expected(app, prompt, MAX_TOKENS)
     assert body["choices"][0]["text"] == want.text and body["usage"]["completion_tokens"] == len(want.tokens)
-    return body["choices"][0]["text"]
+    return body
 
 
 @pytest.mark.parametrize("mode", ["dflash", "adaptive"])
 def test_serve_copies_by_default_and_answers_as_plain_decoding(mode, tiny_pair, tiny_dflash2, monkeypatch):
-    """No --copyspec-mode given: lookups run (`auto`), their drafts are counted in /metrics and the answer is plain
-    decoding's at T = 0. Adaptive mode decides on fixed costs (`decide_on`), so the test does not hang on this
-    machine's load."""
+    """No --copyspec-mode given: lookups run (`auto`), their drafts are counted in /metrics, /health and the answer's
+    `dflash` statistics, and the answer is plain decoding's at T = 0. Adaptive mode decides on fixed costs
+    (`decide_on`), so the test does not hang on this machine's load."""
     monkeypatch.setattr(app_module, "load_or_measure_costs", lambda *a: COSTS)
     decide_on(monkeypatch, COSTS)
     with running(tiny_pair[0], tiny_dflash2, "--verify-mode", mode) as (app, port):
         assert app.defaults.copyspec_mode == "auto" and app.defaults.verify_mode == mode
-        completion(app, port, copy_prompt(app.worker.model, app.tokenizer))
-        m = metrics(port)
+        assert health(port)["decoding"] == dict.fromkeys(DECODING, 0)
+        prompt = copy_prompt(app.worker.model, app.tokenizer)
+        stats = completion(app, port, prompt)["dflash"]
+        m, h = metrics(port), health(port)["decoding"]
     assert m["dflash2_lookup_tokens_total"] >= 10, m  # most of the answer came from the context
     assert m["dflash2_lookup_tokens_total"] <= m["dflash2_accepted_tokens_total"]
     assert 0 < m["dflash2_lookup_cycles_total"] <= m["dflash2_cycles_total"]
+    # one answer: /health's totals and its own statistics are /metrics' counts
+    assert h == {key: m[f"dflash2_{key}_total"] for key in DECODING}
+    assert (stats["lookup_cycles"], stats["lookup_tokens"]) == (h["lookup_cycles"], h["lookup_tokens"])
+    assert (stats["cycles"], stats["accepted"]) == (h["cycles"], h["accepted_tokens"])
 
 
 def test_copyspec_off_looks_nothing_up(tiny_pair, tiny_dflash2):
@@ -78,10 +93,12 @@ def test_copyspec_off_looks_nothing_up(tiny_pair, tiny_dflash2):
     come from the lookups."""
     with running(tiny_pair[0], tiny_dflash2, "--copyspec-mode", "off") as (app, port):
         assert app.defaults.copyspec_mode == "off"
-        completion(app, port, copy_prompt(app.worker.model, app.tokenizer))
-        m = metrics(port)
+        stats = completion(app, port, copy_prompt(app.worker.model, app.tokenizer))["dflash"]
+        m, h = metrics(port), health(port)["decoding"]
     assert m["dflash2_lookup_tokens_total"] == 0 and m["dflash2_lookup_cycles_total"] == 0
     assert m["dflash2_cycles_total"] > 0  # it did decode speculatively
+    assert h["lookup_cycles"] == h["lookup_tokens"] == stats["lookup_cycles"] == stats["lookup_tokens"] == 0
+    assert h["cycles"] == stats["cycles"] > 0
 
 
 def test_the_flag_and_its_errors(tiny_pair, capsys):

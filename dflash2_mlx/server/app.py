@@ -169,6 +169,12 @@ class App:
         with self._responses_lock:
             self.responses[status] += 1
 
+    def decoding_counts(self) -> dict:
+        """What /health says of the speculative cycles run so far: the cycles and draft tokens they accepted, and
+        those of them that came from lookups in the context (copy drafts)."""
+        counts = dict(self.worker.counts)
+        return {key: counts[key] for key in ("cycles", "accepted_tokens", "lookup_cycles", "lookup_tokens")}
+
     def metrics(self) -> str:
         """The server's counters and gauges in Prometheus' text format (GET /metrics)."""
         worker = self.worker

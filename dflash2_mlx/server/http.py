@@ -234,7 +234,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(ApiError(404, f"no route GET {self.path}", code="not_found"))
 
     def _send_health(self) -> None:
-        """The server's state: up (its worker alive), what it serves, requests waiting and running, memory."""
+        """The server's state: up (its worker alive), what it serves, requests waiting and running, the tokens
+        speculative cycles accepted (from lookups too), memory."""
         app = self.app
         worker = app.worker
         alive = worker.thread.is_alive()
@@ -255,6 +256,7 @@ class Handler(BaseHTTPRequestHandler):
                     "decode_concurrency": worker.decode_concurrency,
                 },
                 "prompt_cache": worker.cache_info,
+                "decoding": app.decoding_counts(),
                 "sharded": app.sharded,
                 "memory": {
                     "active_gb": round(mx.get_active_memory() / 1e9, 4),

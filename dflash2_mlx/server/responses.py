@@ -474,6 +474,8 @@ def usage_and_stats(
         "tau": result.tau,
         "cycles": result.cycles,
         "accepted": sum(result.accepted),
+        "lookup_cycles": result.lookup_cycles,
+        "lookup_tokens": result.lookup_tokens,
         "block_size": result.block_size,
         "plain_tokens": result.plain_tokens,
         "draft_failures": result.draft_failures,
