@@ -22,7 +22,8 @@ from dflash2_mlx import __version__
 from dflash2_mlx.sparkline import sparkline
 
 # The results table's columns: all of them in the markdown (and with `--wide`), the first ones a reader looks at
-# on the terminal by default (T only where the bench ran several temperatures).
+# on the terminal by default (T only where the bench ran several temperatures; "lookup / drafter", the accepted
+# drafts by where they came from, only where lookups gave some).
 COLUMNS = (
     "method",
     "T",
@@ -30,6 +31,7 @@ COLUMNS = (
     "min-max",
     "vs mlx-lm",
     "tau",
+    "lookup / drafter",
     "plain %",
     "prompt tok/s",
     "TTFT s",
@@ -41,7 +43,7 @@ COLUMNS = (
 )
 
 
-FIRST_COLUMNS = ("method", "T", "tok/s", "vs mlx-lm", "tau", "lossless")
+FIRST_COLUMNS = ("method", "T", "tok/s", "vs mlx-lm", "tau", "lookup / drafter", "lossless")
 
 
 def source_commit(folder: Path | None = None) -> str | None:
@@ -110,6 +112,9 @@ def result_cells(r: dict) -> dict:
         "min-max": f"{r['generation_tps_min']:.1f}-{r['generation_tps_max']:.1f}",
         "vs mlx-lm": f"{r['speedup']:.2f}x" if r["speedup"] else "-",
         "tau": f"{r['tau']:.2f}" if r["tau"] else "-",
+        "lookup / drafter": f"{r['lookup_tokens']} / {r['drafter_tokens']}"
+        if r["cycles"] and "lookup_tokens" in r
+        else "-",
         "plain %": f"{r['plain_share']:.0%}" if r.get("plain_share") is not None else "-",
         "prompt tok/s": f"{r['prompt_tps_median']:.0f}",
         "TTFT s": f"{r['ttft_s_median']:.2f}",
@@ -139,7 +144,8 @@ def render(report: dict, console=None, wide: bool = False) -> str:
     console.print(Text.assemble(("dflash2 bench", "bold"), f" {head[0]}"))
     for line in head[1:]:
         console.print(line, markup=False, highlight=False)
-    first = [c for c in FIRST_COLUMNS if c != "T" or len(temps) > 1]
+    copied = any(r.get("lookup_tokens") for r in results)
+    first = [c for c in FIRST_COLUMNS if (c != "T" or len(temps) > 1) and (c != "lookup / drafter" or copied)]
     more = ["method", *(c for c in COLUMNS if c not in FIRST_COLUMNS or c == "T" and len(temps) > 1)]
     tables = [(Table(*first), first)] + ([(Table(*more, title="more per method"), more)] if wide else [])
     for table, _ in tables:

@@ -415,10 +415,10 @@ def test_the_summary_gives_adaptive_mode_over_every_prompt_and_over_the_loop_fre
     assert "d · adaptive: 1.20x of plain (loop-free prompts: 1.20x, 3 of 3)\n" in md
 
 
-def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
+def quick_shaped_report(temps: tuple[float, ...] = (0.0,), lookups: int = 0) -> dict:
     """What `dflash2 bench --quick` reports with the bundled drafters (their names, their blocks: v1 at B=8,
     DFlash 2 at B=5 with both walks), built from made-up runs of 2 prompts x 1 trial x 24 tokens per temperature;
-    prompt 2's answers are a loop."""
+    prompt 2's answers are a loop. Each drafting run accepts 3 drafts, `lookups` of them from lookups."""
     v1 = SimpleNamespace(kind="v1", config=SimpleNamespace(block_size=8), walks=("greedy",), default_block_cap=None)
     v2 = SimpleNamespace(
         kind="dflash2", config=SimpleNamespace(block_size=8), walks=("greedy", "viterbi"), default_block_cap=5
@@ -449,6 +449,7 @@ def quick_shaped_report(temps: tuple[float, ...] = (0.0,)) -> dict:
                         [1, 0, 2] if drafts else [],
                         12 if m.kind == "adaptive" else 0,
                         [0.25, 0.26] if drafts else [],
+                        lookups if drafts else 0,
                     )
                     for p, a in enumerate(answers)
                 ]
@@ -537,6 +538,36 @@ def test_the_report_reads_at_a_glance_in_100_columns(temps):
     text = console.export_text()
     assert "TTFT s" in text and "accepted by position" in text and "…" not in text
     assert sum(line.startswith("│ DFlash 2 · B=5 viterbi ") for line in text.splitlines()) == 2 * len(temps)
+
+
+def test_the_report_counts_accepted_drafts_from_lookups_and_from_the_drafter():
+    """Rows whose lookups gave drafts: the JSON counts accepted drafts by source, and the report shows them, on the
+    terminal by default only where lookups gave some (the markdown always)."""
+    report = quick_shaped_report(lookups=2)
+    rows = {r["label"]: r for r in report["results"]}
+    # 2 prompts x 1 trial, each run accepting 1 + 0 + 2 drafts, 2 of them from lookups
+    assert (rows["DFlash 2 · B=5 greedy"]["lookup_tokens"], rows["DFlash 2 · B=5 greedy"]["drafter_tokens"]) == (4, 2)
+    console = Console(width=100, record=True, file=io.StringIO())
+    md = render(report, console)
+    lines = console.export_text().splitlines()
+    assert max(cell_len(line) for line in lines) <= 100
+    head = next(line for line in lines if "method" in line)
+    assert [c.strip() for c in head.strip("┃ ").split("┃")] == [
+        "method",
+        "tok/s",
+        "vs mlx-lm",
+        "tau",
+        "lookup / drafter",
+        "lossless",
+    ]
+    cells = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in lines if "│" in line}
+    assert cells["DFlash 2 · B=5 greedy"][3] == "4 / 2" and cells["mlx-lm"][3] == "-"  # mlx-lm: no cycles
+    assert "| DFlash 2 · B=5 greedy | 0 | 10.5 | 10.5-10.5 | 1.90x | 2.00 | 4 / 2 | " in md
+    # no lookup gave a draft: the terminal leaves the column out, the markdown counts them all from the drafter
+    report = quick_shaped_report()
+    console = Console(width=100, record=True, file=io.StringIO())
+    md = render(report, console)
+    assert "lookup / drafter" not in console.export_text() and " | 1.90x | 2.00 | 0 / 6 | " in md
 
 
 def test_drafters_go_by_their_kind_numbered_where_several_share_one():
