@@ -330,8 +330,9 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- answers -------------------------------------------------------------------------------------------
     def _run(self, request: CompletionRequest, job: Job, on_text, logprobs: Logprobs | None = None) -> Outcome:
-        """Relay the job's text to `on_text` (cut at stop strings), its tokens' logprobs to `logprobs`; returns how
-        the generation ended."""
+        """Relay the job's text to `on_text` (cut at stop strings; it returns true once the answer is complete,
+        which stops the generation as a stop string does), its tokens' logprobs to `logprobs`; returns how the
+        generation ended."""
         stops, records, finish = StopText(request.stop), [], None
         for event in self._events(job):
             if event[0] == "error":
@@ -363,8 +364,7 @@ class Handler(BaseHTTPRequestHandler):
             text, stopped = stops.feed(record.text)
             if record.finish_reason and not stopped:
                 text += stops.flush()
-            on_text(text)
-            if stopped:
+            if on_text(text) or stopped:
                 job.cancelled.set()
                 finish = "stop"
             elif record.finish_reason:
@@ -395,13 +395,15 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(f"{head}data: {json.dumps(body)}\n\n".encode())
             self.wfile.flush()
 
-        def on_text(text: str) -> None:
+        def on_text(text: str) -> bool:
             events = reply.feed(text)
             if events:
                 send(events)
+            return reply.complete
 
         try:
             outcome = self._run(reply.request, job, on_text, reply.logprobs)
+            last = reply.end(outcome) if reply.request.stream else []  # its checks may refuse the last call
         except ApiError as e:
             if not started:
                 raise
@@ -410,7 +412,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         if not reply.request.stream:
             return self._send_json(200, reply.body(outcome), responses.stats_headers(outcome.stats))
-        send(reply.end(outcome))
+        send(last)
         self.wfile.write(reply.stream_end)
         self.wfile.flush()
 

@@ -11,7 +11,9 @@ naming the field and what it must be. Every field's fate:
   `presence_penalty`, `presence_context_size`, `frequency_penalty`, `frequency_context_size`, `logit_bias`
   (its logits processors), `xtc_probability`, `xtc_threshold` (its XTC sampler, run by plain decoding),
   `chat_template_kwargs`; chat: `messages` (an assistant's `reasoning_content` goes to the template, which may
-  render it), `tools`, `tool_choice`, `reasoning_effort` (to the template); text: `prompt`.
+  render it), `tools` (a function's `strict` true: its calls' arguments are checked against its `parameters`
+  once whole, `schema.py`), `tool_choice`, `parallel_tool_calls` (false: the answer ends after its first call),
+  `reasoning_effort` (to the template); text: `prompt`.
 - read and refused unless they ask for what this server does: `draft_model` (its one drafter),
   `num_draft_tokens` (its draft length), `adapters` (none): `REFUSED_FIELDS` says why.
 - accepted and not acted on: `IGNORED_FIELDS`, each with why (logged at debug level when sent); mlx_lm.server
@@ -35,6 +37,7 @@ from ..adaptive import CostModel
 from ..generate import encode_text
 from ..lookup import LookupConfig, copyspec_config
 from ..sampling import SamplingParams
+from .schema import check_schema
 
 log = logging.getLogger("dflash2.serve")
 
@@ -45,7 +48,6 @@ IGNORED_FIELDS = {
     "metadata": "OpenAI's stored-completion tags: nothing is stored",
     "store": "OpenAI's stored completions: nothing is stored",
     "service_tier": "OpenAI's processing tiers: one here",
-    "parallel_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
     "role_mapping": "mlx_lm.server's prompt format for templateless models, which it ignores where the tokenizer "
     "has a chat template: chat here needs one (a templateless model serves /v1/completions)",
     "response_format": "OpenAI's structured output: the text is not constrained (mlx_lm.server does not read it)",
@@ -161,6 +163,8 @@ class CompletionRequest:
     include_usage: bool = False  # streaming: a last chunk with `usage`
     stop: tuple[str, ...] = ()
     tools: list | None = None  # chat requests with tools: the answer's tool calls are parsed out of its text
+    strict: Mapping[str, dict] | None = None  # the `parameters` of the strict tools, by name: their calls are checked
+    parallel_tool_calls: bool = True  # false: the answer ends after its first tool call
 
 
 class RequestParser:
@@ -234,7 +238,8 @@ class RequestParser:
         stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-        tools = _request_tools(body, self.tokenizer) if kind == "chat" else None
+        tools, strict = _request_tools(body, self.tokenizer) if kind == "chat" else (None, None)
+        parallel = _field(body, "parallel_tool_calls", bool, True, expect="true or false")
         prompt = self._prompt(kind, body, tools)
         n, context = len(prompt), self.context_length
         if context is not None and n >= context:
@@ -267,7 +272,9 @@ class RequestParser:
         )
         if sampler is not None:  # mlx-lm's XTC sampler, drawn from as mlx-lm draws: plain decoding
             generation = replace(generation, sampler=sampler, verify_mode="off")
-        return CompletionRequest(kind, model, prompt, generation, stream, include_usage, tuple(stop), tools)
+        return CompletionRequest(
+            kind, model, prompt, generation, stream, include_usage, tuple(stop), tools, strict, parallel
+        )
 
     def served_name(self, model: str | None) -> str:
         """The name a request's 'model' picks, echoed in its answer: one of the served names (the model's id, the
@@ -438,9 +445,10 @@ def _logprobs(kind: str, body: dict) -> int | None:
     return wanted
 
 
-def _request_tools(body: dict, tokenizer) -> list | None:
-    """The request's `tools`, for the chat template and the tool parser; None when it has none, or says
-    tool_choice "none" (the template then renders no tools and the answer's text stays content)."""
+def _request_tools(body: dict, tokenizer) -> tuple[list | None, dict | None]:
+    """The request's `tools`, for the chat template and the tool parser, and the `parameters` of those whose
+    `strict` is true, by name; (None, None) when it has none, or says tool_choice "none" (the template then
+    renders no tools and the answer's text stays content)."""
     tools = _field(body, "tools", list, None, expect="a list of {'type': 'function', 'function': ...} objects")
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
@@ -450,7 +458,8 @@ def _request_tools(body: dict, tokenizer) -> list | None:
             param="tool_choice",
         )
     if not tools or choice == "none":
-        return None
+        return None, None
+    strict = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         named = isinstance(function, dict) and isinstance(function.get("name"), str)
@@ -460,6 +469,10 @@ def _request_tools(body: dict, tokenizer) -> list | None:
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}",
                 param="tools",
             )
+        if not isinstance(function.get("strict"), (bool, type(None))):
+            raise ApiError(400, f"tools[{i}]: 'strict' must be true or false", param="tools")
+        if function.get("strict"):
+            strict[function["name"]] = _strict_schema(i, function.get("parameters", {}))
     if not getattr(tokenizer, "has_tool_calling", False):
         raise ApiError(
             400,
@@ -467,7 +480,21 @@ def _request_tools(body: dict, tokenizer) -> list | None:
             "for it): leave 'tools' unset, or serve a model whose template takes them",
             param="tools",
         )
-    return tools
+    return tools, strict or None
+
+
+def _strict_schema(i: int, parameters) -> dict:
+    """A strict tool's `parameters`, once `schema.check_schema` says its calls can be checked against it."""
+    try:
+        check_schema(parameters)
+    except ValueError as e:
+        raise ApiError(
+            400,
+            f"tools[{i}] is strict, and its schema cannot be checked here ({e}): use the keywords OpenAI's strict "
+            "mode takes, or send strict false",
+            param="tools",
+        ) from None
+    return parameters
 
 
 def _message_text(i: int, message) -> tuple[str, str]:

@@ -5,16 +5,18 @@ statistics of the generation that ran; the Anthropic and Responses APIs' in `mes
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.server import ToolCallFormatter
 
 from ..generate import CycleResponse, summarize
-from .protocol import CompletionRequest
+from .protocol import ApiError, CompletionRequest
+from .schema import violation
 
 
 class StopText:
@@ -62,7 +64,9 @@ class TextStates:
     `tool_call_end` markers is one tool call, parsed by the wrapper's `tool_parser` with the request's tools and
     formatted by mlx-lm's ToolCallFormatter (id, type "function", function name and JSON arguments string; an index
     when streaming); the rest is content. Markers are matched on text (mlx-lm's TextStateMachine), however the
-    text is cut. A call that does not parse (cut short by max_tokens) is dropped with mlx-lm's warning.
+    text is cut. A call that does not parse (cut short by max_tokens) is dropped with mlx-lm's warning. Each call
+    goes through `check` before it is given (`strict_check`: a strict tool's arguments against its schema); with
+    `single`, the first call ends the answer: what follows it (later calls, text) is dropped and `complete` is set.
 
     Args:
         tokenizer: mlx-lm's `TokenizerWrapper`.
@@ -70,10 +74,19 @@ class TextStates:
         streaming: whether the calls go out in streamed chunks (each then has an index).
         prompt: the prompt's token ids, which say whether the answer starts in its reasoning (`initial_state`).
         thinking: whether reasoning is split off (chat answers; completions' text is left whole).
+        check: called with each call before it is given; raises to refuse it.
+        single: whether the answer ends after its first call (`parallel_tool_calls` false).
     """
 
     def __init__(
-        self, tokenizer, tools: list | None, streaming: bool, prompt: Sequence[int] = (), thinking: bool = True
+        self,
+        tokenizer,
+        tools: list | None,
+        streaming: bool,
+        prompt: Sequence[int] = (),
+        thinking: bool = True,
+        check: Callable[[dict], None] | None = None,
+        single: bool = False,
     ):
         transitions = {}
         thinking = thinking and tokenizer.has_thinking
@@ -91,6 +104,7 @@ class TextStates:
         initial = initial_state(tokenizer, prompt) if thinking else "normal"
         self.state = TextStateMachine(transitions or None).make_state(initial)
         self.previous, self.tool_text, self.made = initial, "", False
+        self.check, self.single, self.complete = check, single, False
         self.format = ToolCallFormatter(tokenizer.tool_parser, tools, streaming) if tools is not None else None
 
     def _take(self, parts) -> list[tuple[str, object]]:
@@ -103,19 +117,26 @@ class TextStates:
                 out.append((kind, value))
 
         for state, text in parts:
+            if self.complete:  # the one call was made: the answer ends there
+                break
             if state == "tool":
                 self.tool_text += text
             else:
                 if self.previous == "tool":  # a call's end marker was met
                     self._call(put)
+                if self.complete:
+                    break
                 put("reasoning" if state == "reasoning" else "content", text)
             self.previous = state
         return out
 
     def _call(self, put) -> None:
-        for call in self.format([self.tool_text]):
+        calls = self.format([self.tool_text])
+        for call in calls[:1] if self.single else calls:
+            if self.check is not None:
+                self.check(call)
             put("call", call)
-        self.tool_text, self.made = "", True
+        self.tool_text, self.made, self.complete = "", True, self.single and bool(calls)
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         """The segments `text` completes, in order: ("reasoning", text), ("content", text), ("call", call)."""
@@ -126,9 +147,37 @@ class TextStates:
         """What the generation's end leaves: held-back text, and a call whose end marker never came."""
         self.state, held, state = TextStateMachine.flush(self.state)
         out = self._take([(state, held)])
-        if self.previous == "tool" and self.tool_text:
+        if self.previous == "tool" and self.tool_text and not self.complete:
             self._call(lambda kind, call: out.append((kind, call)))
         return out
+
+
+def strict_check(request: CompletionRequest) -> Callable[[dict], None] | None:
+    """The check of a request's tool calls against its strict tools' schemas (`CompletionRequest.strict`); None
+    without strict tools. A call that does not match is refused with a 500 naming the tool and the mismatch, marked
+    not to be retried (`x-should-retry`) where a retry would generate it again (temperature 0, or a seed)."""
+    if not request.strict:
+        return None
+    g = request.generation
+    headers = {"x-should-retry": "false"} if g.temp == 0 or g.seed is not None else {}
+
+    def check(call: dict) -> None:
+        function = call["function"]
+        schema = request.strict.get(function["name"])
+        found = None if schema is None else violation(json.loads(function["arguments"]), schema)
+        if found:
+            raise ApiError(
+                500,
+                f"the model called the strict tool {function['name']!r} with arguments that do not match its "
+                f"parameters: {found} (arguments: {function['arguments']}); nothing constrains the generation here, "
+                "the arguments are checked once generated: retry at a temperature above 0, or send strict false "
+                "to get the arguments as generated",
+                kind="server_error",
+                code="tool_arguments_mismatch",
+                headers=headers,
+            )
+
+    return check
 
 
 def gathered(segments) -> tuple[str, str, list[dict]]:
@@ -311,8 +360,20 @@ class Reply:
     def __init__(self, request: CompletionRequest, tokenizer):
         self.request, self.tokenizer = request, tokenizer
         self.states = TextStates(
-            tokenizer, request.tools, request.stream, request.prompt, thinking=request.kind == "chat"
+            tokenizer,
+            request.tools,
+            request.stream,
+            request.prompt,
+            thinking=request.kind == "chat",
+            check=strict_check(request),
+            single=not request.parallel_tool_calls,
         )
+
+    @property
+    def complete(self) -> bool:
+        """Whether the answer holds all it may: its one call made (`parallel_tool_calls` false); the generation
+        then stops, as at a stop string."""
+        return self.states.complete
 
     def start(self) -> list:
         """A stream's first events, sent before the first text's."""
