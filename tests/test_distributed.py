@@ -358,7 +358,7 @@ COPY_CASES = {"qwen3-tensor": ("qwen3", "tensor"), "qwen3_5-pipeline": ("qwen3_5
 COPY = dict(GREEDY, copyspec_mode=[1, 8])
 
 
-@pytest.mark.slow  # 9-10 s: one two-process launch
+@pytest.mark.slow  # 5-10 s: one two-process launch
 def test_lookups_on_a_sharded_target_match_mlx_lm(tmp_path):
     """Copy drafts on a target sharded over two processes (one branch per cycle: a lookup alone, or the drafter's
     path), on a prompt that repeats itself: p, mlx-lm's greedy answer to p, then p again. Lookups were verified in
