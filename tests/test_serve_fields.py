@@ -111,6 +111,8 @@ REFUSED = {
     "adapters": ("my-adapter", None),
 }
 IGNORED = {"role_mapping": {"system_prompt": "Be brief.", "user": "USER: "}}  # mlx_lm.server: templateless only
+# honoured beyond mlx_lm.server's fields (it ignores them), as HONOURED; their effect: tests/test_serve_tool_fields.py
+OPENAI_HONOURED = {"parallel_tool_calls": ("chat", False, "no")}
 
 
 def mlx_lm_server_fields() -> set[str]:
@@ -132,6 +134,7 @@ def test_every_field_has_one_fate():
     # what the server accepts and does not act on: fields mlx_lm.server never reads, or ignores here too
     assert not (set(IGNORED_FIELDS) & MLX_LM_FIELDS) - set(IGNORED)
     assert set(IGNORED) <= set(IGNORED_FIELDS)
+    assert not set(OPENAI_HONOURED) & (MLX_LM_FIELDS | set(IGNORED_FIELDS) | set(REFUSED_FIELDS))
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +144,7 @@ def served(tiny_pair, tiny_dflash2):
 
 
 def body_with(field: str, value) -> tuple[str, dict]:
-    kind = HONOURED.get(field, ("chat",))[0]
+    kind = {**HONOURED, **OPENAI_HONOURED}.get(field, ("chat",))[0]
     base = {"messages": GOOD} if kind == "chat" else {"prompt": "w1 w2"}
     body = {**base, "max_tokens": 4, field: value}
     if field == "top_logprobs":
@@ -149,11 +152,11 @@ def body_with(field: str, value) -> tuple[str, dict]:
     return "/v1/chat/completions" if kind == "chat" else "/v1/completions", body
 
 
-@pytest.mark.parametrize("field", sorted(HONOURED))
+@pytest.mark.parametrize("field", sorted(HONOURED | OPENAI_HONOURED))
 def test_an_honoured_field_is_read(served, field):
     """Its wrong value gets 400 naming it (the server reads it); its right value is answered."""
     _, port = served
-    _, good, bad = HONOURED[field]
+    _, good, bad = {**HONOURED, **OPENAI_HONOURED}[field]
     status, _, body = request(port, "POST", *body_with(field, bad))
     assert status == 400 and body["error"]["param"] == field and field in body["error"]["message"], body
     if good is not None:

@@ -163,6 +163,10 @@ def test_a_thinking_models_reasoning_is_a_reasoning_item(thinking_server, monkey
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"verbosity": "high"}}, "text"),
+        ({"reasoning": {"summary": "everything"}}, "reasoning"),
+        ({"truncation": "sometimes"}, "truncation"),
+        ({"tools": [{**TOOL, "strict": True, "parameters": {"type": "object", "x-unknown": 1}}]}, "tools"),
     ],
 )
 def test_what_cannot_be_honoured_gets_a_400_naming_it(plain_server, body, param):
@@ -221,6 +225,7 @@ HONOURED = {
     "top_p": (0.9, "x"),
     "tools": (None, "x"),  # the plain template has no tool format: the thinking one's takes them (above)
     "tool_choice": ("none", "required"),
+    "parallel_tool_calls": (False, "no"),  # false: one call at most (tests/test_serve_tool_fields.py)
     "reasoning": ({"effort": "low"}, "x"),
     "text": ({"format": {"type": "text"}}, {"format": {"type": "json_object"}}),
 }
@@ -242,7 +247,6 @@ IGNORED = {
     "image": {"context_compression": "auto"},
     "include": ["reasoning.encrypted_content"],
     "metadata": {"k": "v"},
-    "parallel_tool_calls": False,
     "prompt_cache_key": "k1",
     "prompt_cache_options": {"ttl": "30m", "mode": "implicit"},
     "prompt_cache_retention": "24h",

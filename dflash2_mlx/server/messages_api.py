@@ -5,15 +5,17 @@ answer is shaped as Anthropic's message or its stream of events (`MessagesReply`
 
 - read: `model`, `messages` (user and assistant turns of text, `tool_use`, `tool_result` and `thinking` blocks),
   `max_tokens` (required, as Anthropic requires it), `system` (a string or text blocks), `stop_sequences`,
-  `stream`, `temperature`, `top_p`, `top_k`, `tools` (custom tools: name, description, input_schema),
-  `tool_choice` ("auto" or "none"), `thinking` ("enabled" or "adaptive": the template's `enable_thinking` true;
-  "disabled": false; `budget_tokens`: the thinking section ends once it holds that many tokens, `thinking_budget`;
-  `display` "omitted": thinking blocks come with their text left out, kept in their `signature`),
+  `stream`, `temperature`, `top_p`, `top_k`, `tools` (custom tools: name, description, input_schema; `strict`
+  true: each call's input is checked against the schema, as the chat endpoint checks it), `tool_choice` ("auto"
+  or "none"; `disable_parallel_tool_use` true: the answer ends after its first call), `thinking` ("enabled" or
+  "adaptive": the template's `enable_thinking` true; "disabled": false; `budget_tokens`: the thinking section ends
+  once it holds that many tokens, `thinking_budget`; `display` "omitted": thinking blocks come with their text left
+  out, kept in their `signature`),
   `output_config.effort` (the template's `reasoning_effort`).
 - refused unless absent: `REFUSED_FIELDS` says why; so are image and document blocks, server tools, tool_choice
   "any" and "tool" (no call can be forced), and a last assistant turn (a prefill to continue).
 - accepted and not acted on: `IGNORED_FIELDS`, each with why; `cache_control` and `citations` on blocks,
-  `tool_choice.disable_parallel_tool_use`, a tool result's `is_error` (the template renders the result's text
+  a tool result's `is_error` (the template renders the result's text
   alone), `redacted_thinking` blocks, a thinking block's `signature` when its text is given (the text is rendered
   as sent: nothing is verified); headers `anthropic-version` (any version is answered in the one shape here) and
   `anthropic-beta`.
@@ -255,6 +257,11 @@ def _tools(body: dict) -> dict:
                 param="tool_choice",
             )
         out["tool_choice"] = kind
+        single = choice.get("disable_parallel_tool_use")
+        if not isinstance(single, (bool, type(None))):
+            raise ApiError(400, "'tool_choice.disable_parallel_tool_use' must be true or false", param="tool_choice")
+        if single:
+            out["parallel_tool_calls"] = False
     return out
 
 
@@ -273,6 +280,8 @@ def _tool(i: int, tool) -> dict:
     function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
     if isinstance(tool.get("description"), str):
         function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 

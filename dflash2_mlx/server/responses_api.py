@@ -6,14 +6,17 @@ events (`ResponsesReply`). Nothing is kept between requests: a conversation come
 
 - read: `model`, `input` (a string, or items: messages with text parts, `function_call`, `function_call_output`
   and `reasoning` items), `instructions` (a system message first), `max_output_tokens`, `temperature`, `top_p`,
-  `stream`, `tools` (function tools), `tool_choice` ("auto" or "none"), `reasoning.effort` (the template's
-  `reasoning_effort`), `text.format` ("text" only). The response object echoes them (`ECHOED`).
+  `stream`, `tools` (function tools; `strict` true: each call's arguments are checked against the tool's
+  `parameters`, as the chat endpoint checks them), `tool_choice` ("auto" or "none"), `parallel_tool_calls` (false:
+  the answer ends after its first call), `reasoning.effort` (the template's `reasoning_effort`), `text.format`
+  ("text" only), `text.verbosity` ("medium" only: no template here takes another). The response object echoes
+  them (`ECHOED`).
 - refused unless absent: `REFUSED_FIELDS` says why; so are non-function tools, image and file parts,
   `item_reference` items, tool_choice "required" or a named function (no call can be forced), `include`
   "message.output_text.logprobs" and `prompt_cache_options.prewarm` true (an answer with no output).
 - accepted and not acted on: `IGNORED_FIELDS`, each with why; `reasoning.summary` (no summary is written: the
-  reasoning comes whole, in the reasoning item's `content`), `text.verbosity` (no template here takes it), a
-  function tool's `strict` (the arguments are the model's, not constrained to the schema).
+  reasoning comes whole, in the reasoning item's `content`, whatever the value; the generation is the same).
+  `truncation` "auto" truncates nothing: a conversation over the context gets a 400 that says so.
 - anything else: ignored, as the chat endpoint ignores what it does not know.
 """
 
@@ -36,11 +39,10 @@ IGNORED_FIELDS = {
     "user": "OpenAI's end-user id: nothing here is per user",
     "safety_identifier": "OpenAI's end-user id: nothing here is per user",
     "service_tier": "OpenAI's processing tiers: one here",
-    "parallel_tool_calls": "the model's template and mlx-lm's parser decide how many calls an answer makes",
     "prompt_cache_key": "prefixes are reused whatever the key (the prompt cache)",
     "prompt_cache_retention": "the prompt cache keeps what its slots hold (--prompt-cache-size)",
     "include": "nothing more is there to include: reasoning comes as text, never encrypted (logprobs get a 400)",
-    "truncation": "nothing is truncated: a conversation over the context gets a 400",
+    "truncation": 'nothing is truncated ("auto" only truncates a conversation over the context, which gets a 400 here)',
     "stream_options": "the events carry nothing to obfuscate",
     "access_programs": "OpenAI's access tiers: one model here, served alike to every client",
     "background_options": "options of background responses, which are refused (background)",
@@ -108,28 +110,16 @@ def parse(parser: RequestParser, body) -> CompletionRequest:
         if body.get(name) not in (None, False):
             raise ApiError(400, f"'{name}' cannot be honoured: {why}", param=name)
     _refused_values(body)
-    chat = {key: body[key] for key in ("model", "stream", "temperature", "top_p") if key in body}
+    chat = {key: body[key] for key in ("model", "stream", "temperature", "top_p", "parallel_tool_calls") if key in body}
     chat.update(max_tokens=body.get("max_output_tokens"), messages=_messages(body), **_tools(body))
     effort = _reasoning(body)
     if effort is not None:
         chat["reasoning_effort"] = effort
-    text = body.get("text")
-    if text is not None:
-        kind = (
-            text.get("format", {}).get("type", "text")
-            if isinstance(text, dict) and isinstance(text.get("format", {}), dict)
-            else None
-        )
-        if kind != "text":
-            raise ApiError(
-                400,
-                '\'text.format\' must be {"type": "text"}: the text is not constrained to a schema here',
-                param="text",
-            )
+    _text_config(body.get("text"))
     try:
         request = parser.parse("chat", chat)
     except ApiError as e:
-        raise e.renamed(CHAT_NAMES) from None
+        raise _renamed(e, body) from None
     echo = {name: body[name] if body.get(name) is not None else unset for name, unset in ECHOED.items()}
     return ResponsesRequest(**{f.name: getattr(request, f.name) for f in fields(request)}, echo=echo)
 
@@ -146,6 +136,8 @@ def _refused_values(body: dict) -> None:
             "here: use /v1/chat/completions with logprobs",
             param="include",
         )
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise ApiError(400, '\'truncation\' must be "auto" or "disabled"', param="truncation")
     options = body.get("prompt_cache_options")
     if isinstance(options, dict) and options.get("prewarm"):
         raise ApiError(
@@ -156,12 +148,50 @@ def _refused_values(body: dict) -> None:
         )
 
 
+def _renamed(e: ApiError, body: dict) -> ApiError:
+    """The chat endpoint's error as this API names its fields; a conversation over the context, sent with
+    `truncation` "auto", is told that nothing is truncated here."""
+    e = e.renamed(CHAT_NAMES)
+    if e.code == "context_length_exceeded" and body.get("truncation") == "auto":
+        e.message += "; 'truncation': \"auto\" drops nothing here: leave the earliest items out of 'input' yourself"
+    return e
+
+
+def _text_config(text) -> None:
+    """A 400 for a `text` this server cannot honour: a format other than "text", a verbosity other than "medium"."""
+    if text is None:
+        return
+    kind = (
+        text.get("format", {}).get("type", "text")
+        if isinstance(text, dict) and isinstance(text.get("format", {}), dict)
+        else None
+    )
+    if kind != "text":
+        raise ApiError(
+            400, '\'text.format\' must be {"type": "text"}: the text is not constrained to a schema here', param="text"
+        )
+    if text.get("verbosity") not in (None, "medium"):
+        raise ApiError(
+            400,
+            f"'text.verbosity' {json.dumps(text['verbosity'])} cannot be honoured: no chat template here takes a "
+            "verbosity; leave it unset (or \"medium\") and ask for a shorter or longer answer in 'instructions'",
+            param="text",
+        )
+
+
 def _reasoning(body: dict) -> str | None:
     reasoning = body.get("reasoning")
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
         raise ApiError(400, '\'reasoning\' must be an object, e.g. {"effort": "low"}', param="reasoning")
+    for key in ("summary", "generate_summary"):  # no summary is written: the reasoning comes whole
+        if reasoning.get(key) not in (None, "auto", "concise", "detailed"):
+            raise ApiError(
+                400,
+                f'\'reasoning.{key}\' must be "auto", "concise" or "detailed", got {json.dumps(reasoning[key])}',
+                param="reasoning",
+            )
     return reasoning.get("effort")
 
 
@@ -180,7 +210,8 @@ def _tools(body: dict) -> dict:
                     "this server runs no built-in tools",
                     param="tools",
                 )
-            function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+            keys = ("name", "description", "parameters", "strict")  # strict null: unset, as the client sends it
+            function = {key: tool[key] for key in keys if tool.get(key) is not None}
             out["tools"].append({"type": "function", "function": function})
     if choice is not None:
         if choice not in ("auto", "none"):
