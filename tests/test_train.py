@@ -58,7 +58,7 @@ def test_data_shards_and_boundaries(tmp_path, tiny):
     prompts = {}
     for index, cid, text in data.sharegpt_conversations():
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        if len(ids) <= SETTINGS.max_prompt_tokens:
+        if len(ids) <= SETTINGS.max_prompt_tokens and ids not in [p for _, p in prompts.values()]:
             prompts[cid] = (index, ids)
         if len(prompts) == 6:
             break
@@ -80,6 +80,28 @@ def test_data_shards_and_boundaries(tmp_path, tiny):
         assert response == expected[: len(response)]
     held = {s.id for s in samples if s.heldout}
     assert held and held.isdisjoint({s.id for s in read_shards(tmp_path / "d", heldout=False)})
+
+
+def test_a_prompt_asked_again_is_neither_generated_nor_trained_on(tmp_path, tiny, monkeypatch):
+    """ShareGPT repeats prompts ("hi"); at T = 0 a repeat has the same answer, so `dflash2 data` skips it, and the
+    trainer drops training samples that repeat a prompt (their first kept) or hold a held-out prompt."""
+    model, tokenizer = tiny
+    asked = ["w1", "w2 w3", "w1", "w4", "w2 w3", "w4"]
+    source = [(index * HELDOUT_EVERY // 3, f"c{index}", text) for index, text in enumerate(asked)]
+    monkeypatch.setattr(data, "sharegpt_conversations", lambda: iter(source))
+    build(tmp_path / "d", dataclasses.replace(SETTINGS, num_prompts=3), model, tokenizer, progress=False)
+    kept = read_shards(tmp_path / "d")
+    assert [s.id for s in kept] == ["c0", "c1", "c3"] and [s.heldout for s in kept] == [True, False, True]
+
+    def sample(sid, text, heldout):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return Sample(sid, np.array(prompt + [7, 8], np.int32), len(prompt), heldout)
+
+    train = [sample("a", "w1", False), sample("b", "w2 w3", False), sample("c", "w2 w3", False)]
+    train.append(sample("d", "w4", False))
+    heldout = [sample("h", "w1", True)]
+    assert [s.id for s in data.distinct_prompts(train, heldout)] == ["b", "d"]
+    assert [s.id for s in data.distinct_prompts(train, [])] == ["a", "b", "d"]
 
 
 @pytest.mark.slow
