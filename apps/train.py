@@ -103,8 +103,9 @@ def add_parser(sub) -> None:
         "--feature-engine",
         choices=ENGINES,
         default="auto",
-        help="what computes the feature cache: PyTorch in bfloat16 where the CPU has avx512_bf16 or AMX "
-        "and PyTorch is installed (auto; a cache of its own), MLX elsewhere",
+        help="what computes the target's features (the cache, or each step's with --no-feature-cache): PyTorch "
+        "in bfloat16 where the CPU has avx512_bf16 or AMX and PyTorch is installed (auto; a cache of its own), "
+        "MLX elsewhere",
     )
     p.add_argument(
         "--no-feature-cache",

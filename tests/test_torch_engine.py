@@ -132,3 +132,28 @@ def test_the_torch_feature_cache_is_the_targets_in_bfloat16_and_kept_apart(tmp_p
     assert np.abs(got - want).max() > 0  # bfloat16's own rows, not the float32 cache read twice
     with pytest.raises(ValueError, match="use the mlx engine"):
         FeatureCache(tmp_path, samples, Target(make_target("qwen3", seed=2), (0, 2, 3)), engine="torch")
+
+
+def test_training_without_a_cache_takes_each_steps_features_from_the_engine(tmp_path, tokenizer):
+    """`--no-feature-cache --feature-engine torch`: every step's context is the torch engine's features (within
+    bfloat16 rounding of MLX's float32 ones, and not them), scaled as the cached ones are, and the run trains."""
+    from dflash2_mlx.train.batches import make_batch
+    from dflash2_mlx.train.settings import TrainSettings
+    from dflash2_mlx.train.trainer import Trainer
+
+    model = make_target("llama", seed=2)
+    settings = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=12, batch_size=3)
+    build(tmp_path / "d", settings, model, tokenizer, progress=False)
+
+    def trainer(engine):
+        run = TrainSettings(
+            data=str(tmp_path / "d"), cache_features=False, feature_engine=engine, steps=2, sequences_per_step=2
+        )
+        return Trainer(model, tmp_path / engine, run)
+
+    by_torch, by_mlx = trainer("torch"), trainer("mlx")
+    batch = make_batch(by_torch.train_samples, 0, by_torch.settings, by_torch.drafter.config.mask_token_id)
+    got = np.array(by_torch.context(batch, "train") / by_torch.feature_scale)
+    want = np.array(by_mlx.target.sequence_features(batch.tokens))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02 and np.abs(got - want).max() > 0
+    assert np.isfinite(by_torch.train_step())

@@ -21,9 +21,7 @@ import hashlib
 import json
 import logging
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -43,12 +41,14 @@ from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
 from ..process_group import ProcessGroup
 from ..target import Target
+from . import torch_engine
 from .batches import Batch, loss_vocabulary, make_batch, share
-from .data import pick_engine
+from .data import distinct_prompts, pick_engine
 from .evaluate import Evaluation, evaluate
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
 from .init_weights import identity_selector, layers_from_target
+from .interrupt import interrupt_requested
 from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
 from .settings import TrainSettings, check_world_size, settle
 
@@ -97,8 +97,10 @@ class Trainer:
         """The training samples, the first `eval_samples` held-out ones, and `train_probe`: as many training
         samples, spread over the data, evaluated like the held-out ones (the gap between the two is what the
         drafter memorized rather than learned)."""
-        self.train_samples = read_shards(settings.data, heldout=False)
         self.heldout = read_shards(settings.data, heldout=True)[: settings.eval_samples]
+        self.train_samples = distinct_prompts(
+            read_shards(settings.data, heldout=False), read_shards(settings.data, True)
+        )
         spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
         self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
         if len(self.train_samples) < settings.sequences_per_step:
@@ -192,9 +194,11 @@ class Trainer:
         """The feature caches (`cache_features`: the target's features computed once, kept in the data
         folder) and the features' channel scale (see `_feature_scale`)."""
         settings = self.settings
-        self.caches = {}
+        self.caches, self._torch = {}, None
+        self.feature_engine = pick_engine(settings.feature_engine, 0.0, self.target.model)
+        if not settings.cache_features and self.feature_engine == "torch":
+            self._torch = torch_engine.TorchTarget(self.target.model, slots=0, max_len=0)
         if settings.cache_features:
-            self.feature_engine = pick_engine(settings.feature_engine, 0.0, self.target.model)
             splits = {"train": (self.train_samples, bool(settings.distill)), "heldout": (self.heldout, False)}
             if self.peers:
                 self._fill_together(splits)
@@ -280,9 +284,16 @@ class Trainer:
             rows = self.caches["train"].row_sample(20000)
         else:
             rows = np.concatenate(
-                [np.array(self.target.sequence_features(mx.array(s.tokens[None]))[0]) for s in self.train_samples[:16]]
+                [np.array(self.teacher(mx.array(s.tokens[None]))[0][0]) for s in self.train_samples[:16]]
             )
         return (1 / np.maximum(np.sqrt(np.mean(rows**2, axis=0)), 1e-3)).astype(np.float32)
+
+    def teacher(self, tokens: mx.array, top_k: int = 0) -> tuple[mx.array, mx.array, mx.array]:
+        """`Target.teacher` of whole sequences, computed by the feature engine (without a feature cache)."""
+        if self._torch is None:
+            return self.target.teacher(tokens, top_k)
+        outputs = self._torch.sequences(np.array(tokens), list(self.target.layer_ids), top_k)
+        return tuple(mx.array(x) for x in outputs)
 
     def context(self, batch: Batch, split: str) -> mx.array:
         """The target's features of the batch's sequences (from the cache when there is one), scaled
@@ -290,7 +301,7 @@ class Trainer:
         if split in self.caches:
             features = self.caches[split].context(batch.picked, batch.tokens.shape[1])
         else:
-            features = self.target.sequence_features(batch.tokens)
+            features = self.teacher(batch.tokens)[0]
         return features.astype(mx.float32) * self.feature_scale
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -394,7 +405,7 @@ class Trainer:
             denominator = loss_weight(self._loss_labels(batch.labels), self.weights)
             batch = share(batch, self.peers.rank, self.peers.size)
         if self.settings.distill and "train" not in self.caches:
-            features, *teacher = self.target.teacher(batch.tokens, TEACHER_TOP_K)
+            features, *teacher = self.teacher(batch.tokens, TEACHER_TOP_K)
             context = features.astype(mx.float32) * self.feature_scale
             soft = self.soft_targets(batch, "train", teacher)
         else:
@@ -540,33 +551,6 @@ class Trainer:
         return write_drafter(
             folder, self.drafter.config, weights, self.feature_scale, self.drafter.draft_vocab, self.train_samples
         )
-
-
-@contextmanager
-def interrupt_requested():
-    """An event that Ctrl-C (SIGINT) sets instead of raising, so that a training run stops at the end of its
-    step with a checkpoint, as at its time budget; a second Ctrl-C raises KeyboardInterrupt as usual. Signal
-    handlers belong to the main thread: elsewhere the event is never set. A process that ignores SIGINT (started
-    with `nohup ... &`) keeps ignoring it."""
-    requested = threading.Event()
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
-        yield requested
-        return
-
-    def handler(signum, frame):
-        requested.set()
-        signal.signal(signal.SIGINT, previous)
-        logger.info(
-            "stopping after this step with a checkpoint (Ctrl-C again stops at once, losing the steps "
-            "since the last checkpoint)"
-        )
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield requested
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: int | None = None) -> Evaluation:
