@@ -68,9 +68,10 @@ def test_the_clients_strict_tools_are_answered_and_parsed(server, monkeypatch):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_strict_call_that_does_not_match_is_refused_and_not_retried(server, monkeypatch, stream):
+@pytest.mark.parametrize("text", [CALL, CALL.removesuffix(" </tool_call>")])  # a call ended by EOS is checked too
+def test_a_strict_call_that_does_not_match_is_refused_and_not_retried(server, monkeypatch, stream, text):
     app, port = server
-    with emitting(monkeypatch, app.tokenizer, CALL) as prompts:
+    with emitting(monkeypatch, app.tokenizer, text) as prompts:
         with pytest.raises(openai.APIError) as caught:
             reply = client(port, retries=2).chat.completions.create(
                 messages=ASK, tools=[MISMATCH], stream=stream, **NO_THINKING
