@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dflash2_apps.bench_stats import LOOP_SHARE, NGRAM
 from dflash2_mlx import __version__
+from dflash2_mlx.loops import LOOP_SHARE, NGRAM
 from dflash2_mlx.sparkline import sparkline
 
 # The results table's columns: all of them in the markdown (and with `--wide`), the first ones a reader looks at

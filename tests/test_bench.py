@@ -21,10 +21,11 @@ import dflash2_mlx.sampling as sampling
 from dflash2_apps.bench_methods import Method, Run, drafter_names, methods_for
 from dflash2_apps.bench_report import COLUMNS, render, render_per_prompt, source_commit
 from dflash2_apps.bench_runs import accepted_per_cycle
-from dflash2_apps.bench_stats import adaptive_summary, add_cycle_parts, method_row, per_prompt_rows, repetition_share
+from dflash2_apps.bench_stats import adaptive_summary, add_cycle_parts, method_row, per_prompt_rows
 from dflash2_apps.cli import main
 from dflash2_mlx.adaptive import FixedBlocks
 from dflash2_mlx.costs import CostModel
+from dflash2_mlx.loops import repetition_share
 from dflash2_mlx.prompts import load_suite
 from dflash2_mlx.replay import Trace, replay
 
