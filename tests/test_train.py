@@ -186,6 +186,11 @@ def settings(folder, arch, steps, **kw):
     return TrainSettings(**{**base, **kw})
 
 
+def _loops(response: list[int]) -> bool:
+    windows = [tuple(response[i : i + 8]) for i in range(len(response) - 7)]
+    return bool(windows) and sum(w in windows[:i] for i, w in enumerate(windows)) >= len(windows) / 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["v1", "dflash2"])
 def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, arch, tokenizer):
@@ -207,7 +212,18 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
         seen, heldout = trainer.evaluate("train"), trainer.heldout
         trainer.heldout = [trainer.train_samples[i] for i in trainer.train_probe]
         assert trainer.evaluate() == seen
+        # loop_free: the held-out samples whose response repeats under half of its 8-grams, counted the slow way
+        first = heldout[0]
+        looping = first.tokens[: first.prompt_len].tolist() + [7, 8, 9, 10, 11] * 8
+        both = heldout + [Sample("loop", np.array(looping, np.int32), first.prompt_len, True)]
+        trainer.heldout = [s for s in both if not _loops(s.tokens[s.prompt_len :].tolist())]
+        assert 0 < len(trainer.heldout) < len(both)  # both kinds, or the test proves nothing
+        free = trainer.evaluate()
+        trainer.heldout = both
+        assert trainer.evaluate(loop_free=True) == free != trainer.evaluate()
     trainer.caches, trainer.heldout = caches, heldout
+    with trainer.averaged():
+        assert trainer.log[-1]["loop_free_tau"] == round(trainer.evaluate(loop_free=True).tau, 4)
     # the result is a drafter folder that decodes losslessly
     drafter = load_drafter(str(trainer.export(tmp_path / "drafter")))
     assert drafter.config.is_dflash2 == (arch == "dflash2")
@@ -532,7 +548,9 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
     with trainer.averaged():
         assert entry["tau"] == round(trainer.evaluate().tau, 4)
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0].endswith(",raw_tau,raw_first_draft,train_tau") and [r.split(",")[0] for r in rows[1:]] == [
+    assert rows[0].endswith(",raw_tau,raw_first_draft,train_tau,heldout_tau_loop_free") and [
+        r.split(",")[0] for r in rows[1:]
+    ] == [
         "2",
         "4",
         "5",
@@ -610,12 +628,16 @@ def test_train_command(tmp_path, tiny_pair, capsys):
     assert readme.startswith("# DFlash2DraftModel drafter for ") and readme.split("\n")[1] == ""  # heading, blank
     # the learning curve: one CSV row per evaluation, the card's numbers, and a sparkline of them
     rows = (tmp_path / "t" / "curve.csv").read_text().splitlines()
-    assert rows[0] == "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft,train_tau"
+    assert rows[0] == (
+        "step,train_loss,heldout_tau,heldout_first_draft,train_seconds,raw_tau,raw_first_draft,train_tau,"
+        "heldout_tau_loop_free"
+    )
     curve = [r.split(",") for r in rows[1:]]
     assert [(int(r[0]), float(r[2])) for r in curve] == [tuple(h) for h in history]
     assert [float(r[3]) for r in curve] == [f for _, f in card["heldout_first_draft_history"]]
     assert all(0 <= float(r[3]) <= 1 and float(r[1]) > 0 and 1 <= float(r[7]) <= 4 for r in curve)
     assert float(curve[-1][7]) == card["train_tau"] and f"training samples: {card['train_tau']}" in readme
+    assert float(curve[-1][8]) == card["heldout_tau_loop_free"] and f"loop: {card['heldout_tau_loop_free']}" in readme
     assert "2..4, 2 evaluations" in readme and sum(ch in "▁▂▃▄▅▆▇█" for ch in readme) == 2
     # the acceptance by position (adaptive mode's prior): tau = 1 + sum_i P(drafts 1..i accepted), up to the
     # card's rounding to 4 decimals; the loaded drafter carries it; the folder's evaluation reproduces the card

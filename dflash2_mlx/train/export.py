@@ -50,11 +50,11 @@ def write_curve(path: Path, log: list[dict]) -> None:
     """The learning curve as CSV: per evaluation, the step, the mean training loss since the previous
     evaluation, held-out tau and first-draft accuracy, and the training wall time so far; with a moving
     average of the weights, tau and first-draft accuracy are the average's, and two more columns give the
-    raw weights'; the last column is the same tau on training samples (`train_tau`). Columns a row's run did not
-    measure are empty."""
+    raw weights'; then the same tau on training samples (`train_tau`), and on the held-out samples whose response is
+    not in a loop (`heldout_tau_loop_free`). Columns a row's run did not measure are empty."""
     raw = any("raw_tau" in e for e in log)
     header = "step,train_loss,heldout_tau,heldout_first_draft,train_seconds"
-    lines, losses = [header + (",raw_tau,raw_first_draft" if raw else "") + ",train_tau"], []
+    lines, losses = [header + (",raw_tau,raw_first_draft" if raw else "") + ",train_tau,heldout_tau_loop_free"], []
     elapsed, last = 0.0, 0.0
     for entry in log:
         if entry["seconds"] < last:  # a resumed run's clock starts again
@@ -66,7 +66,7 @@ def write_curve(path: Path, log: list[dict]) -> None:
                 f"{entry['step']},{np.mean(losses):.4f},{entry['tau']},{entry.get('first_draft', '')},"
                 f"{elapsed + last:.1f}"
                 + (f",{entry.get('raw_tau', '')},{entry.get('raw_first_draft', '')}" if raw else "")
-                + f",{entry.get('train_tau', '')}"
+                + f",{entry.get('train_tau', '')},{entry.get('loop_free_tau', '')}"
             )
             losses = []
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +114,7 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
         "heldout_tau": evals[-1]["tau"] if evals else None,
         "heldout_tau_raw_weights": evals[-1].get("raw_tau") if evals else None,  # with a moving average (ema)
         "train_tau": evals[-1].get("train_tau") if evals else None,  # the same on training samples
+        "heldout_tau_loop_free": evals[-1].get("loop_free_tau") if evals else None,  # responses not in a loop
         ACCEPTANCE_FIELD: evals[-1].get("by_position") if evals else None,  # adaptive mode's prior
         "heldout_tau_history": [(e["step"], e["tau"]) for e in evals],
         "heldout_first_draft_history": [(e["step"], e["first_draft"]) for e in evals if "first_draft" in e],
@@ -145,6 +146,14 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
                 "by what the drafter memorized rather than learned)"
             ]
             if card["train_tau"] is not None
+            else []
+        ),
+        *(
+            [
+                f"- the same on the held-out samples whose response is not in a loop: "
+                f"{card['heldout_tau_loop_free']} (a loop is easy to draft)"
+            ]
+            if card["heldout_tau_loop_free"] is not None
             else []
         ),
         f"- held-out tau over training (steps {evals[0]['step']}..{evals[-1]['step']}, {len(evals)} evaluations, "

@@ -39,6 +39,7 @@ from ..formats.card import CARD_FILE
 from ..formats.config import DraftConfig
 from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
+from ..loops import in_a_loop
 from ..process_group import ProcessGroup
 from ..target import Target
 from . import torch_engine
@@ -458,12 +459,15 @@ class Trainer:
         finally:
             self.drafter.load_weights(raw)
 
-    def evaluate(self, split: str = "heldout") -> Evaluation:
+    def evaluate(self, split: str = "heldout", loop_free: bool = False) -> Evaluation:
         """Acceptance on the held-out samples (`evaluate.evaluate`); split="train": the same on `train_probe`,
-        training samples the drafter has learned from."""
+        training samples the drafter has learned from; `loop_free`: only the samples whose response is not
+        in a loop (`loops.in_a_loop`)."""
         samples, indices = (
             (self.heldout, range(len(self.heldout))) if split == "heldout" else (self.train_samples, self.train_probe)
         )
+        if loop_free:
+            indices = [i for i in indices if not in_a_loop(samples[i].tokens[samples[i].prompt_len :].tolist())]
         return evaluate(
             self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split), self.peers
         )
@@ -516,10 +520,12 @@ class Trainer:
                     with self.averaged():
                         tau, first, by_position = self.evaluate()
                         seen_tau = self.evaluate("train").tau
+                        free_tau = self.evaluate(loop_free=True).tau
                     entry.update(
                         tau=round(tau, 4),
                         first_draft=round(first, 4),
                         train_tau=round(seen_tau, 4),
+                        loop_free_tau=round(free_tau, 4),
                         by_position=list(by_position),
                     )
                     if self.writes:
@@ -553,7 +559,9 @@ class Trainer:
         )
 
 
-def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: int | None = None) -> Evaluation:
+def evaluate_folder(
+    model, data: str | Path, folder: str | Path, eval_samples: int | None = None, loop_free: bool = False
+) -> Evaluation:
     """The held-out evaluation of a drafter folder trained by `dflash2 train`, with its card's settings (the same
     draft vocabulary, anchors and held-out samples; `eval_samples` of them if given). E.g. the acceptance by
     position for the card of a drafter trained before cards had it:
@@ -572,4 +580,4 @@ def evaluate_folder(model, data: str | Path, folder: str | Path, eval_samples: i
     fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
     settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
     with tempfile.TemporaryDirectory() as out:
-        return Trainer(model, out, settings).evaluate()
+        return Trainer(model, out, settings).evaluate(loop_free=loop_free)
