@@ -43,6 +43,17 @@ TRAIN_FLAGS = {
         "weight of the loss to the target's top-8 next-token distribution (cached "
         "with the features); 0 = hard labels only",
     ),
+    "--chain-loss": (
+        "chain_loss",
+        float,
+        "weight of the expected accepted length of each block (the drafts' gold probabilities multiplied "
+        "along the block, summed), subtracted from the loss; 0 = off",
+    ),
+    "--gamma": (
+        "gamma",
+        float,
+        "draft k's loss weight is exp(-(k-1)/gamma) (default: the paper's, 4 at block 8, 5 at 10, 7 at 16)",
+    ),
     "--draft-vocab": (
         "draft_vocab",
         int,
@@ -100,6 +111,11 @@ def add_parser(sub) -> None:
         help="start the drafter's layers and final norm as the target's last layers",
     )
     p.add_argument(
+        "--distinct-anchors",
+        action="store_true",
+        help="draw each sequence's anchors without replacement (more of its tokens supervised per step)",
+    )
+    p.add_argument(
         "--feature-engine",
         choices=ENGINES,
         default="auto",
@@ -122,6 +138,7 @@ def run(args) -> int:
         selector_factorized=not args.full_selector,
         cache_features=not args.no_feature_cache,
         init_from_target=args.init_from_target,
+        distinct_anchors=args.distinct_anchors,
         feature_engine=args.feature_engine,
         **given,
     )

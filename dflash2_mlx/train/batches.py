@@ -25,6 +25,17 @@ class Batch:
     picked: list[int]  # the samples, one per sequence row
 
 
+def anchor_positions(rng: np.random.Generator, first: int, last: int, count: int, distinct: bool) -> np.ndarray:
+    """`count` anchors in [first, last]: drawn with replacement, or `distinct` (without replacement: every
+    position once where there are fewer, the rest drawn again), which covers more of a response's tokens."""
+    if not distinct:
+        return rng.integers(first, last + 1, size=count)
+    positions = last - first + 1
+    if positions >= count:
+        return first + rng.choice(positions, size=count, replace=False)
+    return np.concatenate([np.arange(first, last + 1), rng.integers(first, last + 1, size=count - positions)])
+
+
 def make_batch(
     samples: list[Sample], step: int, settings: TrainSettings, mask_id: int, sequences: int | None = None
 ) -> Batch:
@@ -41,7 +52,7 @@ def make_batch(
         first, last = s.prompt_len, len(s.tokens) - 2  # anchors are response tokens with a next token
         if last < first:
             first = last = max(len(s.tokens) - 2, 0)
-        a = rng.integers(first, last + 1, size=settings.anchors_per_sequence)
+        a = anchor_positions(rng, first, last, settings.anchors_per_sequence, settings.distinct_anchors)
         for anchor in a:
             nxt = s.tokens[anchor + 1 : anchor + B]
             labels.append(np.concatenate([nxt, -np.ones(B - 1 - len(nxt), np.int32)]))

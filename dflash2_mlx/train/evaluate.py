@@ -5,6 +5,7 @@ accept. The blocks of a few sequences are drafted in one drafter pass and walked
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -56,11 +57,12 @@ def evaluate(
     if not indices:
         return Evaluation(float("nan"), float("nan"), ())
     B = settings.block_size
+    same_anchors = replace(settings, distinct_anchors=False)  # every run is evaluated on the same blocks
     counts = np.zeros(B + 1, np.int64)  # blocks with 0..B-1 accepted drafts, then blocks with draft 1 right
     starts = range(0, len(indices), EVAL_SEQUENCES)
     for start in starts[peers.rank :: peers.size] if peers else starts:
         chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
-        batch = make_batch(chunk, EVAL_STEP, settings, drafter.config.mask_token_id, sequences=len(chunk))
+        batch = make_batch(chunk, EVAL_STEP, same_anchors, drafter.config.mask_token_id, sequences=len(chunk))
         batch.picked = [indices[start + i] for i in batch.picked]  # indices into `samples`
         hidden = drafter.hidden(batch.blocks, context(batch), None, batch.where)[:, 1:]
         drafts = drafter.greedy_drafts(hidden, drafter.draft_logits(hidden), batch.blocks[:, 0])

@@ -43,6 +43,15 @@ def loss_weight(labels: mx.array, weights: mx.array) -> mx.array:
     return mx.maximum(mx.sum(weights[None, :] * (labels >= 0)), 1)
 
 
+def expected_accepted(logits: mx.array, gold: mx.array, valid: mx.array) -> mx.array:
+    """Per block, the drafts a verification would accept if each draft were drawn from the drafter's softmax:
+    sum_k prod_{j<=k} p_j(gold_j) over the B-1 rows [N, B-1, n] (a row past the sequence's end ends the run).
+    Its gradient weighs an early draft by everything after it, as acceptance does."""
+    logp = -nn.losses.cross_entropy(logits, gold, reduction="none")
+    logp = mx.where(valid, logp, -1e4)
+    return mx.sum(mx.exp(mx.cumsum(logp, axis=1)), axis=1)
+
+
 def loss_fn(
     drafter: DFlashDraftModel,
     blocks,
@@ -55,6 +64,7 @@ def loss_fn(
     head_rows,
     soft: Soft,
     denominator: mx.array | None = None,
+    chain: float = 0.0,
 ):
     """Weighted draft cross-entropy (+ the selector's K-way cross-entropy for DFlash 2), over the training
     vocabulary `vocab` (token ids [n] with LM-head rows `head_rows`): the softmax over the 5-10k tokens a
@@ -63,7 +73,8 @@ def loss_fn(
     draft loss is (1 - w) * the hard labels' cross-entropy + w * the cross-entropy to the target's own
     top-k distribution (forward KL up to a constant). `denominator`: what the weighted sums are divided by
     (default `loss_weight` of these labels); a data-parallel rank gives the whole batch's over the ranks'
-    count, so that the ranks' averaged gradients are those of one process on the whole batch."""
+    count, so that the ranks' averaged gradients are those of one process on the whole batch. `chain` > 0
+    subtracts that weight times the blocks' `expected_accepted` drafts (over the same denominator)."""
     hidden = drafter.hidden(blocks, context, None, where)[:, 1:]
     logits = drafter.logits(hidden, head_rows).astype(mx.float32)  # [N, B-1, n]
     valid = labels >= 0
@@ -76,6 +87,8 @@ def loss_fn(
         ce = (1 - soft.weight) * ce + soft.weight * soft_ce
     denominator = mx.maximum(mx.sum(w), 1) if denominator is None else denominator
     loss = mx.sum(ce * w) / denominator
+    if chain:
+        loss = loss - chain * mx.sum(expected_accepted(logits, gold, valid)) / denominator
     if not drafter.config.is_dflash2:
         return loss
     sel = drafter.candidate_selector

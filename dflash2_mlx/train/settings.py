@@ -42,6 +42,8 @@ class TrainSettings:
     # a v1 folder with architecture "dflash2" warm-starts a DFlash 2 drafter: its DFlash 2 modules start as identity)
     init_from_target: bool = False  # the drafter's layers and final norm start as the target's last layers
     distill: float = 0.0  # weight of the soft loss to the target's top-k next tokens (1 - it: the hard labels')
+    chain_loss: float = 0.0  # weight of the expected accepted length term (`loss.expected_accepted`), subtracted
+    distinct_anchors: bool = False  # a sequence's anchors drawn without replacement (all its positions if fewer)
     time_budget: float | None = None  # minutes of wall time per run: stop there with a checkpoint (rerun to go on)
     ema: float = 0.999  # decay of an exponential moving average of the weights, which is what is evaluated and
     # exported (the raw weights' tau is logged beside it); 0: off. Switching it on in a resumed run starts the

@@ -159,6 +159,7 @@ class Trainer:
                 self.vocab,
                 self.head_rows,
                 Soft(soft_idx, soft_p, settings.distill),
+                chain=settings.chain_loss,
             )
             grads, norm = optim.clip_grad_norm(grads, settings.grad_clip)
             self.optimizer.update(self.drafter, grads)
@@ -181,6 +182,7 @@ class Trainer:
                     self.head_rows,
                     Soft(soft_idx, soft_p, settings.distill),
                     denominator,
+                    settings.chain_loss,
                 )
 
             @partial(mx.compile, inputs=state, outputs=state)
