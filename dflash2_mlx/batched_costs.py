@@ -1,0 +1,127 @@
+"""What a batched step costs on this machine, and the choice it makes (`plan`): plain batched steps, or a batched
+cycle (and which requests draft in it), by expected tokens per second over the batch.
+
+The curve (`BatchedCostModel`) is the target's forward over n tokens for each of k requests, with the per-request
+rollback that follows it (`batched.roll_back_rows`), and the drafter's pass; it is measured once per target,
+drafter and machine (`batched.measure_batched_costs`) and cached beside the single-request curve (`costs.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .adaptive import expected_tokens
+from .costs import cost_key
+
+
+@dataclass
+class BatchedCostModel:
+    """Seconds per batched step part on one machine.
+
+    Args:
+        forward_s: `forward_s[k - 1][n - 1]` is a target forward over n tokens for each of k requests, with the
+            rollback of each request's rows after it (n = 1: a plain batched step).
+        draft_s: `draft_s[B - 2]` is one drafter pass for a block of B; drafter passes run one request at a time,
+            so j requests drafting cost j of them.
+    """
+
+    forward_s: list[list[float]]
+    draft_s: list[float]
+
+    @property
+    def batch_max(self) -> int:
+        return len(self.forward_s)
+
+    @property
+    def block_max(self) -> int:
+        return len(self.forward_s[0])
+
+    def forward(self, k: int, n: int) -> float:
+        """Seconds of a forward over n tokens for each of k requests; past the measured batch, scaled from the
+        largest measured one in proportion to k."""
+        K = min(k, self.batch_max)
+        return self.forward_s[K - 1][n - 1] * k / K
+
+    def step(self, k: int, n: int, drafting: int) -> float:
+        """Seconds of a batched step: the forward over n tokens for k requests and `drafting` drafter passes."""
+        return self.forward(k, n) + (drafting * self.draft_s[n - 2] if drafting and n > 1 else 0.0)
+
+
+def plan(
+    costs: BatchedCostModel,
+    acceptances: Sequence[Sequence[float]],
+    lefts: Sequence[int],
+    drafting: Sequence[bool],
+    block_max: int,
+) -> tuple[list[int], float, float]:
+    """Each request's block for the next batched step, by expected tokens per second over the batch.
+
+    A step's forward is padded to its longest block n, so a request that drafts verifies n (or what it has
+    left); a request drafts where its expected extra tokens pay for its drafter pass. Every n and every count of
+    the requests with the most to gain is priced; a plain step (every block 1) wins ties.
+
+    Args:
+        costs: the measured batched costs.
+        acceptances: per request, P(draft i accepted | drafts before it accepted), by position.
+        lefts: per request, the largest block it may verify.
+        drafting: per request, whether it has a drafter.
+        block_max: the largest block.
+
+    Returns:
+        (each request's block, the step's expected tokens per second, a plain step's).
+    """
+    k = len(acceptances)
+    plain = k / costs.forward(k, 1)
+    best, best_rate = [1] * k, plain
+    for n in range(2, min(block_max, costs.block_max) + 1):
+        gains = sorted(
+            (
+                (expected_tokens(acc, min(n, left)) - 1.0, i)
+                for i, (acc, left, d) in enumerate(zip(acceptances, lefts, drafting))
+                if d and left > 1
+            ),
+            reverse=True,
+        )
+        tokens = float(k)
+        for j, (gain, i) in enumerate(gains, 1):
+            tokens += gain
+            rate = tokens / costs.step(k, n, j)
+            if rate > best_rate:
+                chosen = {i for _, i in gains[:j]}
+                best = [min(n, lefts[r]) if r in chosen else 1 for r in range(k)]
+                best_rate = rate
+    return best, best_rate, plain
+
+
+def batch_points(batch_max: int) -> list[int]:
+    """The batch sizes timed: powers of two up to batch_max, and batch_max."""
+    return sorted({*(2**i for i in range(batch_max.bit_length()) if 2**i <= batch_max), batch_max})
+
+
+def block_points(block_max: int) -> list[int]:
+    """The forward sizes timed: 1..4, every fourth after, and block_max."""
+    return sorted({*range(1, min(block_max, 4) + 1), *range(4, block_max + 1, 4), block_max})
+
+
+def grid(ks: list[int], ns: list[int], seconds: dict, batch_max: int, block_max: int) -> list[list[float]]:
+    """The timed (k, n) points interpolated to every k <= batch_max and n <= block_max, never falling with n."""
+    rows = [list(itertools.accumulate((seconds[k, n] for n in ns), max)) for k in ks]
+    by_n = [np.interp(np.arange(1, block_max + 1), ns, row) for row in rows]  # [len(ks), block_max]
+    table = np.array([np.interp(np.arange(1, batch_max + 1), ks, column) for column in np.array(by_n).T]).T
+    return [[float(s) for s in row] for row in table]
+
+
+def batched_cost_key(target, drafter, block_max: int, batch_max: int) -> str:
+    """The cache key of a batched cost model: the single-request curve's key, marked batched, with its batch."""
+    return f"batched k<={batch_max} | {cost_key(target, drafter, block_max)}"
+
+
+def read_batched_costs(path: str) -> BatchedCostModel:
+    """A batched cost model from a JSON file ({"forward_s": [[...], ...], "draft_s": [...]}): a replay's `--costs`."""
+    with open(path) as f:
+        return BatchedCostModel(**json.load(f))

@@ -1,0 +1,203 @@
+"""Speculation inside the batch (`batched.py`): every request of a batch gets, at T = 0, exactly mlx-lm's greedy
+tokens for its prompt alone, whatever the others accept; at T > 0 a request inside a batch follows mlx-lm's
+sampling law; a rollback of the wrong request's rows is caught; targets whose caches it cannot roll back per row
+are refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from helpers import (
+    PROMPT,
+    V,
+    assert_follows_mlx_lm,
+    make_dflash2_drafter,
+    make_drafter,
+    make_hybrid,
+    make_oracle,
+    make_target,
+)
+from mlx_lm.generate import generate_step
+
+from dflash2_mlx import batched
+from dflash2_mlx.batched import BatchedDecoder, batch_refusal
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.lookup import LookupConfig
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.target import Target
+
+# prompts of different lengths (1 to 30 tokens), one repeating itself (copy drafts find it)
+PROMPTS = [[7, 8, 9], list(range(10, 40)), [50] * 5 + [60, 61], [200], [5, 6, 7, 8] * 4]
+N_TOKENS = 20
+
+
+def alone(model, prompt: list[int], n: int = N_TOKENS) -> list[int]:
+    """mlx-lm's greedy tokens for `prompt` alone."""
+    return [t for (t, _), _ in zip(generate_step(mx.array(prompt), model), range(n))]
+
+
+def run_batch(target, requests, block_max=6, joins=None, leaves=None, costs=None, n=N_TOKENS, blocks=None):
+    """Decode `requests` ((prompt, kwargs of `add`) ...) together until each has n tokens; request i joins after
+    `joins[i]` steps (default: at once), and request i leaves after `leaves[i]` steps (its tokens cut there).
+    Returns (tokens per request, each request's steps, the decoder)."""
+    joins, leaves = joins or {}, leaves or {}
+    out, steps, uids = {}, {}, {}
+    with BatchedDecoder(target, None, block_max, costs) as decoder:
+        count = 0
+        while len(out) < len(requests) or any(len(out[i]) < n for i in uids):
+            for i, (prompt, kw) in enumerate(requests):
+                if i not in out and joins.get(i, 0) <= count:
+                    uids[i], first = decoder.add(prompt, SamplingParams(), **kw)
+                    out[i], steps[i] = list(first.tokens), []
+            for i in [i for i in uids if leaves.get(i) == count or len(out[i]) >= n]:
+                decoder.remove(uids.pop(i))
+            if uids:
+                by_uid = decoder.step(None if blocks is None else {u: blocks for u in uids.values()})
+                for i, uid in uids.items():
+                    out[i] += by_uid[uid].tokens
+                    steps[i].append(by_uid[uid])
+            count += 1
+    return {i: t[:n] for i, t in out.items()}, steps, decoder
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request):
+    return make_target(request.param, seed={"qwen3": 0, "llama": 1}[request.param])
+
+
+def oracle_requests(model, prompts=PROMPTS[:4]):
+    """Each prompt with an oracle drafter of its own, spoiled at random: every acceptance length occurs, and each
+    oracle checks that the context it is given is the features of its request's committed tokens."""
+    oracles = [make_oracle(model, p, block_size=6, spoil_seed=i) for i, p in enumerate(prompts)]
+    return Target(model, oracles[0].config.target_layer_ids), [(p, {"drafter": o}) for p, o in zip(prompts, oracles)]
+
+
+def test_each_request_gets_its_greedy_tokens_alone(model):
+    target, requests = oracle_requests(model)
+    got, steps, decoder = run_batch(target, requests)
+    for i, (prompt, _) in enumerate(requests):
+        assert got[i] == alone(model, prompt), f"request {i} (prompt of {len(prompt)})"
+    counts = {s.accepted for mine in steps.values() for s in mine}
+    assert {0, 5} <= counts and len(counts) >= 4  # none, all and partial acceptances, in the same batch
+    assert decoder.batched_cycles > 0
+
+
+def test_requests_join_and_leave_between_steps(model):
+    """One joins after 3 steps, one after 6, one leaves after 2: the rows of those left are theirs."""
+    target, requests = oracle_requests(model)
+    got, _, _ = run_batch(target, requests, joins={1: 3, 3: 6}, leaves={2: 2})
+    for i, (prompt, _) in enumerate(requests):
+        want = alone(model, prompt)
+        assert got[i] == want[: len(got[i])] and len(got[i]) >= 2, f"request {i}"
+    assert len(got[0]) == len(got[1]) == N_TOKENS
+
+
+class Rotated:
+    """The per-request rollback with each request given the next one's kept rows."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, cache, kept, fed):
+        return self.real(cache, kept[1:] + kept[:1], fed)
+
+
+def test_rolling_back_the_wrong_requests_rows_fails(model, monkeypatch):
+    target, requests = oracle_requests(model)
+    monkeypatch.setattr(batched, "roll_back_rows", Rotated(batched.roll_back_rows))
+    with pytest.raises(AssertionError):
+        got, _, _ = run_batch(target, requests)
+        assert all(got[i] == alone(model, p) for i, (p, _) in enumerate(requests))
+
+
+def test_a_real_drafter_and_copy_drafts_in_one_batch(model):
+    """A DFlash 2 drafter (shared, its passes per request) and copy drafts; the lookups find the generation's
+    repetitions, and what they accept changes nothing in the tokens."""
+    drafter = make_dflash2_drafter(model, block_size=6)
+    target = bind_drafter(drafter, model)
+    copy = {"copyspec": LookupConfig(min_match=2, max_draft=5)}
+    requests = [(p, {"drafter": drafter, **(copy if i % 2 else {})}) for i, p in enumerate(PROMPTS)]
+    got, steps, decoder = run_batch(target, requests, n=32)
+    for i, (prompt, _) in enumerate(requests):
+        assert got[i] == alone(model, prompt, 32), f"request {i}"
+    assert decoder.batched_cycles > 0
+    lookups = [s for i in (1, 3) for s in steps[i] if s.branch == "lookup"]
+    assert lookups and not any(s.branch == "lookup" for i in (0, 2, 4) for s in steps[i])
+
+
+def test_max_tokens_keeps_the_drafts_within_reach(model):
+    """No draft past max_tokens is verified (the bonus after the last one may be: the caller cuts it)."""
+    target, requests = oracle_requests(model, PROMPTS[:2])
+    requests = [(p, {**kw, "max_tokens": 4}) for p, kw in requests]
+    with BatchedDecoder(target, None, 6) as decoder:
+        firsts = [decoder.add(p, SamplingParams(), **kw)[0] for p, kw in requests]
+        made, sizes = dict.fromkeys(firsts, 1), []
+        while len(decoder):
+            for u, s in decoder.step().items():
+                assert s.block_size - 1 <= 4 - made[u]
+                made[u] += len(s.tokens)
+                sizes.append(s.block_size)
+                if made[u] >= 4:  # as a caller ends it
+                    decoder.remove(u)
+    assert max(sizes) == 4 and max(made.values()) <= 5
+
+
+def test_an_extracted_request_goes_on_alone(model):
+    """`extract` gives the request's cache and tokens: a plain continuation from them is mlx-lm's."""
+    target, requests = oracle_requests(model, PROMPTS[:3])
+    with BatchedDecoder(target, None, 6) as decoder:
+        uids = [decoder.add(p, SamplingParams(), **kw)[0] for p, kw in requests]
+        for _ in range(3):
+            decoder.step()
+        cache, tokens = decoder.extract(uids[1])
+        assert len(decoder) == 2
+        decoder.step()  # the others go on without it
+    prompt = requests[1][0]
+    assert tokens[: len(prompt)] == prompt
+    assert tokens[len(prompt) :] == alone(model, prompt, len(tokens) - len(prompt))
+    assert cache[0].offset == len(tokens) - 1  # every token but the last is in the cache
+    logits = model(mx.array(tokens[-1:])[None], cache=cache)
+    assert int(mx.argmax(logits[0, -1]).item()) == alone(model, prompt, len(tokens) - len(prompt) + 1)[-1]
+
+
+@pytest.mark.parametrize("arch", ["llama_swa", "qwen3_5"])
+def test_targets_it_cannot_roll_back_are_refused(arch):
+    model = make_hybrid(arch) if arch == "qwen3_5" else make_target(arch)
+    reason = batch_refusal(Target(model))
+    assert reason is not None and "cannot yet be rolled back per request" in reason
+    with pytest.raises(ValueError, match="plain batched steps"):
+        BatchedDecoder(Target(model), None, 4)
+
+
+def test_the_rollback_refuses_what_it_cannot_keep(model):
+    target, requests = oracle_requests(model, PROMPTS[:2])
+    with BatchedDecoder(target, None, 4) as decoder:
+        for p, kw in requests:
+            decoder.add(p, SamplingParams(), **kw)
+        with pytest.raises(ValueError, match="cannot keep"):
+            batched.roll_back_rows(decoder.cache, [1, 5], 4)
+        with pytest.raises(ValueError, match="cannot keep"):
+            batched.roll_back_rows(decoder.cache, [1], 4)
+
+
+@pytest.mark.slow
+def test_sampling_inside_a_batch_follows_mlx_lm():
+    """T > 0: the request with PROMPT, in a batch with another request (blocks of 3, a drafter with sharp, wrong
+    opinions: rejections and residual draws), draws its 3 tokens from mlx-lm's law."""
+    model = make_target("llama", vocab=V, seed=21)
+    drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
+    target = bind_drafter(drafter, model)
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    mx.random.seed(3)
+    counts = Counter()
+    for i in range(600):
+        with BatchedDecoder(target, drafter, 3) as decoder:
+            other, _ = decoder.add([1, 2, 3, 0, 1, 2][: 1 + i % 6], params)
+            uid, first = decoder.add(PROMPT, params)
+            tokens = list(first.tokens)
+            while len(tokens) < 3:
+                tokens += decoder.step({uid: 3, other: 3})[uid].tokens
+        counts[tuple(tokens[:3])] += 1
+    assert_follows_mlx_lm(model, counts, params)
