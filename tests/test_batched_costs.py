@@ -1,0 +1,126 @@
+"""The batched cost curve and the choice it makes (`batched_costs.py`): the plan against a brute-force search of
+every block assignment, plain steps where cycles do not pay, the measurement and its cache."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+import pytest
+from helpers import make_drafter, make_oracle, make_target
+from mlx_lm.generate import generate_step
+
+from dflash2_mlx import batched
+from dflash2_mlx.adaptive import expected_tokens
+from dflash2_mlx.batched import BatchedDecoder, load_or_measure_batched_costs, measure_batched_costs
+from dflash2_mlx.batched_costs import BatchedCostModel, batch_points, block_points, plan
+from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.target import Target
+
+
+def curve(plain: float, per_token: float, per_request: float, draft: float, batch_max=8, block_max=6):
+    """A forward over n tokens for k requests costing plain + per_token * (n - 1) * k + per_request * (k - 1)."""
+    forward = [
+        [plain + per_token * (n - 1) * k + per_request * (k - 1) for n in range(1, block_max + 1)]
+        for k in range(1, batch_max + 1)
+    ]
+    return BatchedCostModel(forward, [draft] * (block_max - 1))
+
+
+# weights-bound (a Mac): a forward over 6 tokens for 4 requests costs little more than a plain batched step
+MAC = curve(0.020, 0.0004, 0.001, 0.004)
+# compute-bound (this CPU): every token of every request costs nearly a plain step's
+CPU = curve(0.020, 0.018, 0.015, 0.010)
+
+
+def brute_force(costs, acceptances, lefts, drafting, block_max):
+    """The best expected tokens per second over every assignment of blocks (1 for requests without a drafter)."""
+    k, best = len(acceptances), 0.0
+    choices = [range(1, min(block_max, left) + 1) if d else [1] for left, d in zip(lefts, drafting)]
+    for blocks in itertools.product(*choices):
+        n, j = max(blocks), sum(B > 1 for B in blocks)
+        tokens = sum(expected_tokens(a, B) for a, B in zip(acceptances, blocks))
+        best = max(best, tokens / costs.step(k, n, j))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("costs", [MAC, CPU, curve(0.02, 0.004, 0.002, 0.006)], ids=["mac", "cpu", "between"])
+def test_the_plan_is_the_best_assignment(costs, seed):
+    rng = random.Random(seed)
+    k = rng.randint(1, 4)
+    acceptances = [[rng.random() ** 0.5 for _ in range(5)] for _ in range(k)]
+    lefts = [rng.choice([1, 2, 3, 100]) for _ in range(k)]
+    drafting = [rng.random() < 0.8 for _ in range(k)]
+    blocks, rate, plain = plan(costs, acceptances, lefts, drafting, 6)
+    n, j = max(blocks), sum(B > 1 for B in blocks)
+    assert rate == pytest.approx(
+        sum(expected_tokens(a, B) for a, B in zip(acceptances, blocks)) / costs.step(k, n, j), rel=1e-12
+    )
+    assert rate == pytest.approx(brute_force(costs, acceptances, lefts, drafting, 6), rel=1e-9)
+    assert plain == pytest.approx(k / costs.forward(k, 1))
+    assert all(B == 1 or d and B <= left for B, left, d in zip(blocks, lefts, drafting))
+
+
+def test_cycles_where_the_curve_pays_plain_steps_where_it_does_not():
+    good, bad = [0.8] * 5, [0.05] * 5
+    assert plan(MAC, [good] * 4, [100] * 4, [True] * 4, 6)[0] == [6] * 4
+    assert plan(CPU, [good] * 4, [100] * 4, [True] * 4, 6)[0] == [1] * 4
+    assert plan(MAC, [bad] * 4, [100] * 4, [True] * 4, 6)[0] == [1] * 4
+    # on the Mac-like curve one request that drafts well verifies its block beside the others' plain steps
+    blocks = plan(MAC, [good, bad, bad, bad], [100] * 4, [True] * 4, 6)[0]
+    assert blocks[0] > 1 and blocks[1:] == [1, 1, 1]
+
+
+def test_past_the_measured_batch_the_forward_scales_with_the_requests():
+    assert MAC.forward(16, 3) == pytest.approx(MAC.forward(8, 3) * 2)
+    assert MAC.step(4, 3, 2) == pytest.approx(MAC.forward(4, 3) + 2 * MAC.draft_s[1])
+    assert MAC.step(4, 1, 0) == MAC.forward(4, 1)
+
+
+def test_points_timed():
+    assert batch_points(8) == [1, 2, 4, 8] and batch_points(6) == [1, 2, 4, 6] and batch_points(1) == [1]
+    assert block_points(16) == [1, 2, 3, 4, 8, 12, 16] and block_points(6) == [1, 2, 3, 4, 6]
+
+
+def test_measured_on_a_tiny_target_and_cached(tmp_path, monkeypatch):
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=4)
+    target = bind_drafter(drafter, model)
+    costs = measure_batched_costs(target, drafter, 4, batch_max=3, context_tokens=16, repeats=1)
+    assert len(costs.forward_s) == 3 and all(len(row) == 4 for row in costs.forward_s)
+    assert all(a <= b for row in costs.forward_s for a, b in zip(row, row[1:]))  # never cheaper with more tokens
+    assert len(costs.draft_s) == 3 and all(s > 0 for s in costs.draft_s)
+    monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(batched, "measure_batched_costs", lambda *a, **k: costs)
+    assert load_or_measure_batched_costs(target, drafter, 4, 3) == costs
+    monkeypatch.setattr(batched, "measure_batched_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert load_or_measure_batched_costs(target, drafter, 4, 3) == costs
+
+
+@pytest.mark.parametrize("costs", [MAC, CPU], ids=["mac", "cpu"])
+def test_the_decoder_steps_as_the_curve_says(costs):
+    """Sure, right drafts: the Mac-like curve runs cycles, the CPU-like one plain batched steps; the tokens are
+    mlx-lm's greedy ones either way."""
+    model = make_target("llama", seed=1)
+    prompts = [[7, 8, 9], list(range(10, 30)), [200]]
+    oracles = [make_oracle(model, p, block_size=6) for p in prompts]
+    target = Target(model, oracles[0].config.target_layer_ids)
+    out = {}
+    with BatchedDecoder(target, None, 6, costs) as decoder:
+        for p, o in zip(prompts, oracles):
+            o.acceptance_prior = [0.9] * 5
+            uid, first = decoder.add(p, SamplingParams(), drafter=o)
+            out[uid] = list(first.tokens)
+        while min(len(t) for t in out.values()) < 16:
+            for uid, s in decoder.step().items():
+                out[uid] += s.tokens
+        rate, plain = decoder.last_plan
+    for p, tokens in zip(prompts, out.values()):
+        assert tokens[:16] == [t for (t, _), _ in zip(generate_step(mx.array(p), model), range(16))]
+    if costs is MAC:
+        assert decoder.batched_cycles > 0 and rate > plain
+    else:
+        assert decoder.batched_cycles == 0 and decoder.plain_steps > 0 and rate == plain
