@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from helpers import (
     PROMPT,
+    N,
     V,
     assert_follows_mlx_lm,
     make_dflash2_drafter,
@@ -182,17 +183,16 @@ def test_the_rollback_refuses_what_it_cannot_keep(model):
             batched.roll_back_rows(decoder.cache, [1], 4)
 
 
-@pytest.mark.slow
-def test_sampling_inside_a_batch_follows_mlx_lm():
-    """T > 0: the request with PROMPT, in a batch with another request (blocks of 3, a drafter with sharp, wrong
-    opinions: rejections and residual draws), draws its 3 tokens from mlx-lm's law."""
+def sample_in_batch(n: int) -> tuple:
+    """n draws of the 3 tokens after PROMPT by a request decoded in a batch beside another (prompts of 1 to 6
+    tokens), blocks of 3, a drafter with sharp, wrong opinions (rejections and residual draws)."""
     model = make_target("llama", vocab=V, seed=21)
     drafter = make_drafter(model, block_size=4, seed=5, output_multiplier=4.0)
     target = bind_drafter(drafter, model)
     params = SamplingParams(temperature=0.7, top_p=0.9)
     mx.random.seed(3)
     counts = Counter()
-    for i in range(600):
+    for i in range(n):
         with BatchedDecoder(target, drafter, 3) as decoder:
             other, _ = decoder.add([1, 2, 3, 0, 1, 2][: 1 + i % 6], params)
             uid, first = decoder.add(PROMPT, params)
@@ -200,4 +200,10 @@ def test_sampling_inside_a_batch_follows_mlx_lm():
             while len(tokens) < 3:
                 tokens += decoder.step({uid: 3, other: 3})[uid].tokens
         counts[tuple(tokens[:3])] += 1
+    return model, counts, params
+
+
+@pytest.mark.slow
+def test_sampling_inside_a_batch_follows_mlx_lm():
+    model, counts, params = sample_in_batch(N)
     assert_follows_mlx_lm(model, counts, params)
