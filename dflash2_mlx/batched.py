@@ -147,6 +147,7 @@ class BatchedDecoder:
         drafter: DFlashDraftModel | None = None,
         copyspec: LookupConfig | None = None,
         prefill_step_size: int = 2048,
+        cache: list[KVCache] | None = None,
     ) -> tuple[int, Step]:
         """Prefill `prompt` alone and merge it into the batch; returns (its uid, the step of its first token).
 
@@ -157,14 +158,23 @@ class BatchedDecoder:
             drafter: its drafter (default: the decoder's; per request, drafter passes run one request at a time).
             copyspec: look its continuations up in its context (copy drafts, `lookup.py`); None: none.
             prefill_step_size: the prefill's chunk.
+            cache: the target's cache of the prompt's first tokens (as many as its offset, fewer than the
+                prompt's), e.g. a prompt-cache slot's; only the rest is prefilled, and its drafter's context is
+                the rest's features alone (None: a fresh cache).
         """
         if self.tap is None:
             raise RuntimeError("open the decoder first: `with BatchedDecoder(...) as decoder:`")
         if not prompt:
             raise ValueError("the prompt is empty: nothing to condition the target on")
         drafter = drafter if drafter is not None else self.drafter
-        cache = [KVCache() for _ in make_prompt_cache(self.target.model)]
-        logits, features = self.tap.prefill(mx.array(prompt, mx.uint32), cache, prefill_step_size)
+        covered = 0 if cache is None else cache[0].offset
+        if cache is None:
+            cache = [KVCache() for _ in make_prompt_cache(self.target.model)]
+        elif not 0 <= covered < len(prompt) or any(type(c) is not KVCache or c.offset != covered for c in cache):
+            raise ValueError(
+                f"a cache given with a prompt of {len(prompt)} tokens must be KV caches of one length below it"
+            )
+        logits, features = self.tap.prefill(mx.array(prompt[covered:], mx.uint32), cache, prefill_step_size)
         token = sample(logits, params)
         mx.eval(token, features, [c.state for c in cache])
         anchor = token.item()

@@ -21,6 +21,7 @@ from helpers import (
     make_target,
 )
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 from dflash2_mlx import batched
 from dflash2_mlx.batched import BatchedDecoder, batch_refusal
@@ -161,6 +162,27 @@ def test_an_extracted_request_goes_on_alone(model):
     assert cache[0].offset == len(tokens) - 1  # every token but the last is in the cache
     logits = model(mx.array(tokens[-1:])[None], cache=cache)
     assert int(mx.argmax(logits[0, -1]).item()) == alone(model, prompt, len(tokens) - len(prompt) + 1)[-1]
+
+
+def test_a_request_joins_from_a_cached_prefix(model):
+    """`add` given the target's cache of the prompt's first 20 tokens (a prompt-cache slot's) prefills the rest:
+    the request's tokens are still mlx-lm's, beside another's; a cache as long as the prompt is refused."""
+    drafter = make_dflash2_drafter(model, block_size=6)
+    target = bind_drafter(drafter, model)
+    prompt = PROMPTS[1]
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:20])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    with BatchedDecoder(target, drafter, 4) as decoder:
+        other, _ = decoder.add(PROMPTS[0], SamplingParams())
+        uid, first = decoder.add(prompt, SamplingParams(), cache=cache)
+        tokens = list(first.tokens)
+        while len(tokens) < N_TOKENS:
+            tokens += decoder.step({uid: 4, other: 4})[uid].tokens
+        with pytest.raises(ValueError, match="KV caches of one length below it"):
+            decoder.add(prompt[:20], SamplingParams(), cache=decoder.extract(uid)[0])
+    assert tokens[:N_TOKENS] == alone(model, prompt)
+    assert decoder.batched_cycles > 0
 
 
 @pytest.mark.parametrize("arch", ["llama_swa", "qwen3_5"])
