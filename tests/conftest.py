@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    batched_decide_on,
+    cpu_batched_costs,
     make_dflash2_drafter,
     make_drafter,
     make_target,  # noqa: F401  (test_torch_engine.py imports it from here)
@@ -106,3 +108,10 @@ def terminal_sigint():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(autouse=True)
+def _batched_costs_of_a_cpu(monkeypatch):
+    """Servers decide batched cycles on a CPU-like curve (none pays: mlx-lm's batch, as before) unless a test
+    gives another (`batched_decide_on`): the tiny models' own timings would make the choice this machine's load."""
+    batched_decide_on(monkeypatch, cpu_batched_costs)

@@ -32,11 +32,13 @@ from dflash2_apps.cli import make_parser
 from dflash2_apps.serve import build_server
 from dflash2_mlx import generate
 from dflash2_mlx.adaptive import AdaptiveBlocks, FixedBlocks
+from dflash2_mlx.batched_costs import BatchedCostModel
 from dflash2_mlx.costs import MEASURE_CONTEXT_TOKENS, CostModel
 from dflash2_mlx.decode import dflash_steps, plain_steps
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.formats.config import DraftConfig
 from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.server import batched_worker
 from dflash2_mlx.target import Target
 
 HIDDEN = 64
@@ -535,6 +537,31 @@ def decide_on(monkeypatch, costs: CostModel) -> None:
     )
     monkeypatch.setattr(
         AdaptiveBlocks, "observe_plain", lambda self, n, s, probes=0: plain(self, n, n * costs.verify_s[0])
+    )
+
+
+# -- batched decoding on fixed costs ----------------------------------------------------------------------------
+
+
+def cpu_batched_costs(block_max: int, batch_max: int = 8) -> BatchedCostModel:
+    """A batched curve like the development CPU's (SmolLM2-135M: every token of every request costs about a plain
+    step, 133 ms for one request's one token, 2747 ms for four requests' six): no batched cycle pays."""
+    forward = [[0.12 * k * n for n in range(1, block_max + 1)] for k in range(1, batch_max + 1)]
+    return BatchedCostModel(forward, [0.030] * (max(block_max, 2) - 1))
+
+
+def flat_batched_costs(block_max: int, batch_max: int = 8) -> BatchedCostModel:
+    """A Mac-like batched curve: a forward bound by reading the weights (20 ms, 0.2% more per token fed), a
+    drafter pass of 0.2 ms: a batched cycle pays even at a poor drafter's acceptance."""
+    forward = [[0.020 * (1 + 0.002 * (k * n - 1)) for n in range(1, block_max + 1)] for k in range(1, batch_max + 1)]
+    return BatchedCostModel(forward, [0.0002] * (max(block_max, 2) - 1))
+
+
+def batched_decide_on(monkeypatch, curve) -> None:
+    """Servers started from now on decide batched cycles on `curve(block_max, batch_max)` instead of this
+    machine's measured batched costs (the tiny test models' timings are Python overhead, flat as a Mac's)."""
+    monkeypatch.setattr(
+        batched_worker, "load_or_measure_batched_costs", lambda target, drafter, block, batch: curve(block, batch)
     )
 
 
