@@ -17,7 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash2_mlx": ROOT / "dflash2_mlx", "dflash2_apps": ROOT / "apps"}
 TRAIN_USERS = ("dflash2_apps.data", "dflash2_apps.train", "dflash2_apps.tree_sim")
 # the server's modules, bottom first: the protocol knows no scheduler, the scheduler no HTTP, ...
-SERVER_LAYERS = ("schema", "protocol", "responses", "messages_api", "responses_api", "scheduler", "http", "app")
+SERVER_LAYERS = (
+    "schema",
+    "protocol",
+    "responses",
+    "messages_api",
+    "responses_api",
+    "scheduler",
+    "batched_worker",
+    "http",
+    "app",
+)
 
 
 def modules() -> dict[str, Path]:

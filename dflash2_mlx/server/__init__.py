@@ -14,6 +14,8 @@ One module per job:
 - `scheduler`: the one worker thread that owns the model (`Worker`): a lone request decodes speculatively,
   concurrent ones together in mlx-lm's `BatchGenerator`, each from the cached sequence sharing the longest
   prefix with it (`PromptCaches`).
+- `batched_worker`: the worker whose batches speculate (`BatchedWorker`): each request verifies its own block in
+  one forward per step, where the batched cost curve measured at startup says a batched cycle pays.
 - `responses`: stop strings, reasoning and tool calls split off the text, logprobs, and `Reply`, one answer's
   shape: OpenAI's completions and their streamed chunks (`ChatReply`).
 - `messages_api`, `responses_api`: Anthropic's Messages API and OpenAI's Responses API, each body translated to

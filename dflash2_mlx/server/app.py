@@ -17,9 +17,10 @@ from ..generate import resolve_block_size
 from ..loading import bind_drafter
 from ..target import Target
 from ..tree import TREE_BUDGET_MAX, default_budget
+from .batched_worker import BatchedWorker, batched_warm_start
 from .http import make_server
 from .protocol import GenerationArguments, RequestParser
-from .scheduler import COUNTS, Worker
+from .scheduler import COUNTS
 
 log = logging.getLogger("dflash2.serve")
 
@@ -152,12 +153,19 @@ class App:
         self._responses_lock = threading.Lock()
         # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
         concurrency = 1 if self.sharded else settings.decode_concurrency
-        self.worker = Worker(
+        tic = time.perf_counter()
+        costs, block_max, reason = batched_warm_start(model, drafter, self.defaults, concurrency)
+        if costs is not None:
+            log.info("batched step costs ready in %.1f s: %s", time.perf_counter() - tic, reason)
+        self.worker = BatchedWorker(
             model,
             tokenizer,
             drafter,
             settings.queue_size,
             settings.prompt_cache,
+            costs=costs,
+            block_max=block_max,
+            reason=reason,
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=settings.prompt_cache_bytes,
             decode_concurrency=concurrency,
@@ -175,6 +183,17 @@ class App:
         counts = dict(self.worker.counts)
         return {key: counts[key] for key in ("cycles", "accepted_tokens", "lookup_cycles", "lookup_tokens")}
 
+    def batch_speculation(self) -> dict:
+        """What /health says of speculation inside the batch: the batched cycles run, the drafts they accepted,
+        and why they run (the measured batched curve pays) or never do."""
+        worker = self.worker
+        return {
+            "batched_cycles": worker.batched_cycles,
+            "batched_accepted_tokens": worker.batched_accepted,
+            "speculative": worker.batched_costs is not None,
+            "reason": worker.batched_reason,
+        }
+
     def metrics(self) -> str:
         """The server's counters and gauges in Prometheus' text format (GET /metrics)."""
         worker = self.worker
@@ -187,6 +206,13 @@ class App:
         counts = dict(worker.counts)
         for key, what in COUNTS.items():
             metric(f"{key}_total", "counter", what, [("", counts[key])])
+        batched = {
+            "batched_cycles_total": ("batched steps that verified drafts (speculation inside the batch)", "cycles"),
+            "batched_accepted_tokens_total": ("draft tokens accepted in batched cycles", "accepted_tokens"),
+        }
+        info = self.batch_speculation()
+        for name, (what, key) in batched.items():
+            metric(name, "counter", what, [("", info[f"batched_{key}"])])
         metric(
             "http_responses_total",
             "counter",

@@ -254,6 +254,7 @@ class Handler(BaseHTTPRequestHandler):
                     "max_size": worker.batch_size_max,
                     "batched_steps": worker.batched_steps,
                     "decode_concurrency": worker.decode_concurrency,
+                    **app.batch_speculation(),
                 },
                 "prompt_cache": worker.cache_info,
                 "decoding": app.decoding_counts(),
