@@ -356,6 +356,7 @@ def measure_batched_costs(
     batch_max: int = 8,
     context_tokens: int = MEASURE_CONTEXT_TOKENS,
     repeats: int = 3,
+    points: tuple[list[int], list[int]] | None = None,
 ) -> BatchedCostModel:
     """Time the target's forward over n tokens for each of k requests, with its rollback, and the drafter's pass.
 
@@ -369,11 +370,13 @@ def measure_batched_costs(
         batch_max: the largest batch timed.
         context_tokens: each request's context before the timed forwards.
         repeats: each point's time is the best of this many (after a warm-up round).
+        points: the batch sizes and forward sizes timed (default `batch_points`, `block_points`); the rest of
+            the grid is interpolated.
     """
     vocab = target.vocab_size
     tokens = mx.array([(7 + 31 * i) % vocab for i in range(context_tokens + block_max)], mx.uint32)
     single = [KVCache() for _ in make_prompt_cache(target.model)]
-    ks, ns = batch_points(batch_max), block_points(block_max)
+    ks, ns = points or (batch_points(batch_max), block_points(block_max))
     seconds = {}
     with target.capture() as tap:
         _, context = tap.prefill(tokens[:context_tokens], single)
@@ -408,14 +411,31 @@ def measure_batched_costs(
     return BatchedCostModel(grid(ks, ns, seconds, batch_max, block_max), draft_s)
 
 
+def could_pay(costs: BatchedCostModel, block_max: int) -> bool:
+    """Whether a batched cycle would beat a plain batched step for some batch of 2 or more if every draft were
+    accepted. Where it would not, no drafter pays there, and a coarse curve is all the choice needs."""
+    perfect = [1.0] * max(block_max - 1, 1)
+    for k in range(2, costs.batch_max + 1):
+        blocks, _, _ = plan(costs, [perfect] * k, [block_max] * k, [True] * k, block_max)
+        if max(blocks) > 1:
+            return True
+    return False
+
+
 def load_or_measure_batched_costs(target, drafter, block_max: int, batch_max: int = 8) -> BatchedCostModel:
     """The cached batched cost model of this target, drafter and machine, measured and cached if missing (in the
-    file the single-request costs are kept in: $DFLASH2_COSTS, else the package's cache folder)."""
+    file the single-request costs are kept in: $DFLASH2_COSTS, else the package's cache folder). A coarse pass
+    comes first (batches of 1, 2 and `batch_max`; forwards of 1, 2 and `block_max` tokens; one timed round): where
+    not even drafts that are all accepted would pay (`could_pay`), as on a CPU whose forward grows with its tokens,
+    that curve is kept; elsewhere the whole grid is timed."""
     key, path = batched_cost_key(target, drafter, block_max, batch_max), _cache_file()
     known = _read_costs(path)
     if key in known:
         return BatchedCostModel(**known[key])
     logger.info("measuring this machine's batched step costs for %s (once; cached in %s)", target.model_type, path)
-    costs = measure_batched_costs(target, drafter, block_max, batch_max)
+    coarse = ([1, 2, batch_max] if batch_max > 2 else [1, 2], sorted({1, 2, block_max}))
+    costs = measure_batched_costs(target, drafter, block_max, batch_max, repeats=1, points=coarse)
+    if could_pay(costs, block_max):
+        costs = measure_batched_costs(target, drafter, block_max, batch_max)
     _write_costs(path, {**known, key: asdict(costs)})
     return costs

@@ -100,6 +100,30 @@ def test_measured_on_a_tiny_target_and_cached(tmp_path, monkeypatch):
     assert load_or_measure_batched_costs(target, drafter, 4, 3) == costs
 
 
+@pytest.mark.parametrize("costs, passes", [(MAC, 2), (CPU, 1)], ids=["mac", "cpu"])
+def test_a_curve_where_no_draft_could_pay_is_measured_coarsely(costs, passes, tmp_path, monkeypatch):
+    """The coarse pass first (batches 1, 2, 8; forwards of 1, 2, 6 tokens; one round); the whole grid only where
+    drafts that are all accepted would pay: on the CPU-like curve a block of n costs more than n plain steps' worth
+    of tokens, on the Mac-like one it costs little more than one."""
+    perfect = [1.0] * 5
+    for k in range(2, 9):  # the property the choice rests on, checked by brute force
+        pays = any(k * n / costs.step(k, n, k) > k / costs.forward(k, 1) for n in range(2, 7))
+        assert pays == (costs is MAC) and (max(plan(costs, [perfect] * k, [6] * k, [True] * k, 6)[0]) > 1) == pays
+    model = make_target("qwen3")
+    drafter = make_drafter(model, block_size=6)
+    target = bind_drafter(drafter, model)
+    calls = []
+
+    def measure(*args, **kw):
+        calls.append(kw.get("points"))
+        return costs
+
+    monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
+    monkeypatch.setattr(batched, "measure_batched_costs", measure)
+    assert load_or_measure_batched_costs(target, drafter, 6, 8) == costs
+    assert calls[0] == ([1, 2, 8], [1, 2, 6]) and len(calls) == passes and (passes == 1 or calls[1] is None)
+
+
 @pytest.mark.parametrize("costs", [MAC, CPU], ids=["mac", "cpu"])
 def test_the_decoder_steps_as_the_curve_says(costs):
     """Sure, right drafts: the Mac-like curve runs cycles, the CPU-like one plain batched steps; the tokens are
