@@ -44,6 +44,7 @@ COLUMNS = (
 
 
 FIRST_COLUMNS = ("method", "T", "tok/s", "vs mlx-lm", "tau", "lookup / drafter", "lossless")
+LOOKUP_COLUMN_WIDTH = 100  # the terminal width from which the first table has room for "lookup / drafter"
 
 
 def source_commit(folder: Path | None = None) -> str | None:
@@ -145,7 +146,8 @@ def render(report: dict, console=None, wide: bool = False) -> str:
     for line in head[1:]:
         console.print(line, markup=False, highlight=False)
     copied = any(r.get("lookup_tokens") for r in results)
-    first = [c for c in FIRST_COLUMNS if (c != "T" or len(temps) > 1) and (c != "lookup / drafter" or copied)]
+    column = copied and console.width >= LOOKUP_COLUMN_WIDTH  # narrower: a line under the table says the same
+    first = [c for c in FIRST_COLUMNS if (c != "T" or len(temps) > 1) and (c != "lookup / drafter" or column)]
     more = ["method", *(c for c in COLUMNS if c not in FIRST_COLUMNS or c == "T" and len(temps) > 1)]
     tables = [(Table(*first), first)] + ([(Table(*more, title="more per method"), more)] if wide else [])
     for table, _ in tables:
@@ -171,6 +173,9 @@ def render(report: dict, console=None, wide: bool = False) -> str:
             table.add_row(*(cells[c] for c in shown))
     for table, _ in tables:
         console.print(table)
+    if copied and not column:
+        counts = [f"{labels[r['method']]} {result_cells(r)['lookup / drafter']}" for r in results if r.get("cycles")]
+        console.print("accepted drafts, lookup / drafter: " + ", ".join(counts), markup=False, highlight=False)
     split = [
         f"{labels[r['method']]} T={r['temperature']:g}: {r['cycle_ms']:.1f} = {r['draft_ms']:.1f} + "
         f"{r['verify_ms']:.1f} + {r['overhead_ms']:.1f}"

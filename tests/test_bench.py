@@ -564,6 +564,11 @@ def test_the_report_counts_accepted_drafts_from_lookups_and_from_the_drafter():
     cells = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in lines if "│" in line}
     assert cells["DFlash 2 · B=5 greedy"][3] == "4 / 2" and cells["mlx-lm"][3] == "-"  # mlx-lm: no cycles
     assert "| DFlash 2 · B=5 greedy | 0 | 10.5 | 10.5-10.5 | 1.90x | 2.00 | 4 / 2 | " in md
+    # on a terminal narrower than 100 columns a line under the table gives the counts; every cell stays whole
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    render(report, narrow)
+    text = narrow.export_text()
+    assert "lookup / drafter ┃" not in text and "DFlash 2 · B=5 greedy 4 / 2" in text.replace("\n", " ")
     # no lookup gave a draft: the terminal leaves the column out, the markdown counts them all from the drafter
     report = quick_shaped_report()
     console = Console(width=100, record=True, file=io.StringIO())
