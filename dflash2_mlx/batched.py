@@ -23,7 +23,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from .adaptive import AcceptanceEstimates
 from .batched_costs import BatchedCostModel, batch_points, batched_cost_key, block_points, grid, plan
-from .costs import MEASURE_CONTEXT_TOKENS, _cache_file, _read_costs, _write_costs
+from .costs import MEASURE_CONTEXT_TOKENS, cache_path, read_cache, write_cache
 from .decode import Step
 from .drafter import DFlashDraftModel
 from .lookup import CopySpec, LookupConfig, leading_matches, one_hot_proposal
@@ -428,8 +428,8 @@ def load_or_measure_batched_costs(target, drafter, block_max: int, batch_max: in
     comes first (batches of 1, 2 and `batch_max`; forwards of 1, 2 and `block_max` tokens; one timed round): where
     not even drafts that are all accepted would pay (`could_pay`), as on a CPU whose forward grows with its tokens,
     that curve is kept; elsewhere the whole grid is timed."""
-    key, path = batched_cost_key(target, drafter, block_max, batch_max), _cache_file()
-    known = _read_costs(path)
+    key, path = batched_cost_key(target, drafter, block_max, batch_max), cache_path()
+    known = read_cache(path)
     if key in known:
         return BatchedCostModel(**known[key])
     logger.info("measuring this machine's batched step costs for %s (once; cached in %s)", target.model_type, path)
@@ -437,5 +437,5 @@ def load_or_measure_batched_costs(target, drafter, block_max: int, batch_max: in
     costs = measure_batched_costs(target, drafter, block_max, batch_max, repeats=1, points=coarse)
     if could_pay(costs, block_max):
         costs = measure_batched_costs(target, drafter, block_max, batch_max)
-    _write_costs(path, {**known, key: asdict(costs)})
+    write_cache(path, {**known, key: asdict(costs)})
     return costs

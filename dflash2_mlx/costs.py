@@ -146,7 +146,7 @@ def measure_costs(
     return CostModel(verify_s, draft_s)
 
 
-def _cache_file() -> Path:
+def cache_path() -> Path:
     """Where measured costs are kept: $DFLASH2_COSTS, else costs.json in the package's cache folder."""
     return Path(os.environ.get("DFLASH2_COSTS") or cache_dir() / "costs.json")
 
@@ -173,14 +173,16 @@ def cost_key(target, drafter, block_max: int, verify_max: int | None = None) -> 
     return " | ".join(parts)
 
 
-def _read_costs(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
+    """The measured curves kept at `path`, by cache key ({} when the file is missing or unreadable)."""
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
 
-def _write_costs(path: Path, known: dict) -> None:
+def write_cache(path: Path, known: dict) -> None:
+    """Replace the curves kept at `path` with `known`, atomically (another process may read it meanwhile)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(known, indent=1))
@@ -196,24 +198,24 @@ def load_or_measure_costs(target, drafter, block_max: int, verify_max: int | Non
         block_max: the largest block covered.
         verify_max: the verify curve's reach (default block_max).
     """
-    key, path = cost_key(target, drafter, block_max, verify_max), _cache_file()
-    known = _read_costs(path)
+    key, path = cost_key(target, drafter, block_max, verify_max), cache_path()
+    known = read_cache(path)
     if key in known:
         return CostModel(**known[key])
     logger.info("measuring this machine's cycle costs for %s (once; cached in %s)", target.model_type, path)
     costs = measure_costs(target, drafter, block_max, verify_max=verify_max)
-    _write_costs(path, {**known, key: asdict(costs)})
+    write_cache(path, {**known, key: asdict(costs)})
     return costs
 
 
 def forget_costs(target, drafter, block_max: int) -> None:
     """Drop the cached costs of this target, drafter and machine: the next `load_or_measure_costs` measures."""
-    key, path = cost_key(target, drafter, block_max), _cache_file()
-    known = _read_costs(path)
+    key, path = cost_key(target, drafter, block_max), cache_path()
+    known = read_cache(path)
     if known.pop(key, None) is not None:
         logger.info(
             "the cached cycle costs of %s no longer match this machine; they will be measured again "
             "where they are next loaded",
             target.model_type,
         )
-        _write_costs(path, known)
+        write_cache(path, known)
