@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from .adaptive import AcceptanceEstimates
-from .batched_costs import BatchedCostModel, batch_points, batched_cost_key, block_points, grid, plan
+from .batched_costs import BatchedCostModel, batch_points, batched_cost_key, block_points, cycles_pay, grid, plan
 from .costs import MEASURE_CONTEXT_TOKENS, cache_path, read_cache, write_cache
 from .decode import Step
 from .drafter import DFlashDraftModel
@@ -414,12 +414,7 @@ def measure_batched_costs(
 def could_pay(costs: BatchedCostModel, block_max: int) -> bool:
     """Whether a batched cycle would beat a plain batched step for some batch of 2 or more if every draft were
     accepted. Where it would not, no drafter pays there, and a coarse curve is all the choice needs."""
-    perfect = [1.0] * max(block_max - 1, 1)
-    for k in range(2, costs.batch_max + 1):
-        blocks, _, _ = plan(costs, [perfect] * k, [block_max] * k, [True] * k, block_max)
-        if max(blocks) > 1:
-            return True
-    return False
+    return cycles_pay(costs, [1.0] * max(block_max - 1, 1), block_max, costs.batch_max)
 
 
 def load_or_measure_batched_costs(target, drafter, block_max: int, batch_max: int = 8) -> BatchedCostModel:

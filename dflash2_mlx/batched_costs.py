@@ -98,6 +98,16 @@ def plan(
     return best, best_rate, plain
 
 
+def cycles_pay(costs: BatchedCostModel, estimates: Sequence[float], block_max: int, concurrency: int) -> bool:
+    """Whether `plan` runs a batched cycle rather than a plain batched step for some batch of 2..`concurrency`
+    requests, each drafting with acceptance `estimates` by position and far from its max_tokens."""
+    for k in range(2, min(concurrency, costs.batch_max) + 1):
+        blocks, _, _ = plan(costs, [estimates] * k, [1 << 30] * k, [True] * k, block_max)
+        if max(blocks) > 1:
+            return True
+    return False
+
+
 def batch_points(batch_max: int) -> list[int]:
     """The batch sizes timed: powers of two up to batch_max, and batch_max."""
     return sorted({*(2**i for i in range(batch_max.bit_length()) if 2**i <= batch_max), batch_max})

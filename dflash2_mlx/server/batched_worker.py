@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .. import batched_costs
 from ..adaptive import AcceptanceEstimates
 from ..batched import BatchedDecoder, batch_refusal, load_or_measure_batched_costs
-from ..batched_costs import BatchedCostModel, plan
+from ..batched_costs import BatchedCostModel
 from ..decode import Step
 from ..generate import resolve_block_size
 from ..loading import bind_drafter
@@ -38,11 +39,7 @@ def cycles_pay(costs: BatchedCostModel, prior, block_max: int, concurrency: int)
     """Whether a batched cycle beats a plain batched step for some batch of 2..`concurrency` requests, each
     drafting with the acceptance `prior` (the drafter card's; None: no counts) and far from its max_tokens."""
     estimates = AcceptanceEstimates(max(block_max - 1, 1), None if prior is None else list(prior)).estimates()
-    for k in range(2, min(concurrency, costs.batch_max) + 1):
-        blocks, _, _ = plan(costs, [estimates] * k, [1 << 30] * k, [True] * k, block_max)
-        if max(blocks) > 1:
-            return True
-    return False
+    return batched_costs.cycles_pay(costs, estimates, block_max, concurrency)
 
 
 def batched_warm_start(
