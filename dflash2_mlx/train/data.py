@@ -33,7 +33,8 @@ def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> n
     return out
 
 
-def _prompt_key(sample: Sample) -> tuple:
+def prompt_key(sample: Sample) -> tuple:
+    """A sample's prompt token ids, as a set or dict key."""
     return tuple(sample.tokens[: sample.prompt_len].tolist())
 
 
@@ -47,10 +48,10 @@ def distinct_prompts(train: list[Sample], heldout: list[Sample]) -> list[Sample]
         train: the training split (`read_shards(folder, heldout=False)`).
         heldout: the held-out split.
     """
-    seen = {_prompt_key(s) for s in heldout}
+    seen = {prompt_key(s) for s in heldout}
     kept = []
     for s in train:
-        key = _prompt_key(s)
+        key = prompt_key(s)
         if key not in seen:
             seen.add(key)
             kept.append(s)
@@ -146,7 +147,7 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     shard_index = len(list(out.glob("shard-*.npz")))
 
     def todo() -> Iterator[tuple[str, list[int], bool]]:
-        taken, seen = 0, {_prompt_key(s) for s in written}
+        taken, seen = 0, {prompt_key(s) for s in written}
         for index, cid, text in sharegpt_conversations():
             if taken >= settings.num_prompts:
                 return

@@ -98,10 +98,9 @@ class Trainer:
         """The training samples, the first `eval_samples` held-out ones, and `train_probe`: as many training
         samples, spread over the data, evaluated like the held-out ones (the gap between the two is what the
         drafter memorized rather than learned)."""
-        self.heldout = read_shards(settings.data, heldout=True)[: settings.eval_samples]
-        self.train_samples = distinct_prompts(
-            read_shards(settings.data, heldout=False), read_shards(settings.data, True)
-        )
+        heldout = read_shards(settings.data, heldout=True)
+        self.heldout = heldout[: settings.eval_samples]
+        self.train_samples = distinct_prompts(read_shards(settings.data, heldout=False), heldout)
         spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
         self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
         if len(self.train_samples) < settings.sequences_per_step:
@@ -561,13 +560,10 @@ class Trainer:
         )
 
 
-def evaluate_folder(
-    model, data: str | Path, folder: str | Path, eval_samples: int | None = None, loop_free: bool = False
-) -> Evaluation:
-    """The held-out evaluation of a drafter folder trained by `dflash2 train`, with its card's settings (the same
-    draft vocabulary, anchors and held-out samples; `eval_samples` of them if given). E.g. the acceptance by
-    position for the card of a drafter trained before cards had it:
-    `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
+@contextmanager
+def folder_trainer(model, data: str | Path, folder: str | Path, eval_samples: int | None = None):
+    """A trainer that evaluates a drafter folder trained by `dflash2 train` with its card's settings (the same
+    draft vocabulary, anchors and held-out samples; `eval_samples` of them if given), in a temporary folder."""
     st = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
     keep = (
         "draft_vocab",
@@ -582,4 +578,14 @@ def evaluate_folder(
     fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
     settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
     with tempfile.TemporaryDirectory() as out:
-        return Trainer(model, out, settings).evaluate(loop_free=loop_free)
+        yield Trainer(model, out, settings)
+
+
+def evaluate_folder(
+    model, data: str | Path, folder: str | Path, eval_samples: int | None = None, loop_free: bool = False
+) -> Evaluation:
+    """The held-out evaluation of a drafter folder (`folder_trainer`). E.g. the acceptance by position for the card
+    of a drafter trained before cards had it:
+    `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
+    with folder_trainer(model, data, folder, eval_samples) as trainer:
+        return trainer.evaluate(loop_free=loop_free)

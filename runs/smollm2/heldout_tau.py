@@ -9,52 +9,32 @@ taken from the data folder's training responses). Prints one markdown row per fo
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
-from pathlib import Path
 
 from dflash2_apps.openblas import restart_with_openblas
-from dflash2_mlx.formats.card import CARD_FILE
 from dflash2_mlx.loading import load_target
 from dflash2_mlx.loops import in_a_loop
-from dflash2_mlx.train.data import read_shards
-from dflash2_mlx.train.settings import TrainSettings
-from dflash2_mlx.train.trainer import Trainer
+from dflash2_mlx.train.data import prompt_key, read_shards
+from dflash2_mlx.train.trainer import folder_trainer
 
 BUNDLED_DATA = "runs/smollm2/data"
-
-
-def prompt(sample) -> tuple:
-    return tuple(sample.tokens[: sample.prompt_len].tolist())
 
 
 def main(data: str, folders: list[str]) -> None:
     restart_with_openblas(sys.argv)
     model, _ = load_target()
-    seen = {prompt(s) for s in read_shards(BUNDLED_DATA, heldout=False)}
+    seen = {prompt_key(s) for s in read_shards(BUNDLED_DATA, heldout=False)}
     print("| drafter | all held-out | not in a loop | prompt unseen by the bundled drafters | both |")
     print("|---|---|---|---|---|")
     for folder in folders:
-        card = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
-        keep = ("draft_vocab", "reduced_vocabulary", "anchors_per_sequence", "seed", "selector_factorized")
-        settings = TrainSettings(
-            data=data,
-            init_from=folder,
-            cache_features=False,
-            ema=0.0,
-            eval_samples=10**6,
-            **{k: card[k] for k in keep if k in card},
-        )
-        with tempfile.TemporaryDirectory() as out:
-            trainer = Trainer(model, out, settings)
+        with folder_trainer(model, data, folder, eval_samples=10**6) as trainer:
             heldout = trainer.heldout
             subsets = {
                 "all": heldout,
                 "loop-free": [s for s in heldout if not in_a_loop(s.tokens[s.prompt_len :].tolist())],
-                "unseen": [s for s in heldout if prompt(s) not in seen],
+                "unseen": [s for s in heldout if prompt_key(s) not in seen],
             }
-            subsets["both"] = [s for s in subsets["loop-free"] if prompt(s) not in seen]
+            subsets["both"] = [s for s in subsets["loop-free"] if prompt_key(s) not in seen]
             cells = []
             for samples in subsets.values():
                 trainer.heldout = samples
