@@ -179,6 +179,11 @@ class AcceptanceEstimates:
         self.seen[i] = self.decay * self.seen[i] + seen
         self.hits[i] = self.decay * self.hits[i] + hits
 
+    def observe_block(self, matched: int, drafts: int) -> None:
+        """Count a cycle's drafts: the first `matched` of `drafts` accepted, the next one (if any) rejected."""
+        for i in range(min(drafts, len(self.seen), matched + 1)):
+            self.count(i, 1.0, 1.0 if i < matched else 0.0)
+
     def estimates(self) -> list[float]:
         """P(draft i accepted | drafts before it accepted), i = 1..positions."""
         estimates, previous = [], 0.5

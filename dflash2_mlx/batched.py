@@ -299,7 +299,7 @@ class BatchedDecoder:
             if p is not None:
                 r.cycles, r.accepted = r.cycles + 1, r.accepted + a
                 if match is None:
-                    _observe(r.estimates, leading_matches(mine, tokens[:-1]), d)
+                    r.estimates.observe_block(leading_matches(mine, tokens[:-1]), d)
             if r.spec is not None:
                 r.spec.observe(match, tokens, None)
                 r.spec.commit(tokens)
@@ -339,14 +339,6 @@ class BatchedDecoder:
 def _left(r: _Request) -> int:
     """The largest block request r may verify (its max_tokens counted; a large number without one)."""
     return 1 << 30 if r.max_tokens is None else max(1, r.max_tokens - r.produced + 1)
-
-
-def _observe(estimates: AcceptanceEstimates, matched: int, drafts: int) -> None:
-    """Count a cycle's drafts: the first `matched` of `drafts` accepted, the next one (if any) rejected."""
-    for i in range(min(drafts, len(estimates.seen))):
-        if i > matched:
-            break
-        estimates.count(i, 1.0, 1.0 if i < matched else 0.0)
 
 
 def measure_batched_costs(

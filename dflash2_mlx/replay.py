@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveBlocks, BlockPolicy
+from .adaptive import AcceptanceEstimates, AdaptiveBlocks, BlockPolicy
+from .batched_costs import BatchedCostModel, plan
 from .costs import CostModel
 from .drafter import DFlashDraftModel
 from .sampling import SamplingParams
@@ -161,4 +162,65 @@ def replay(trace: Trace, policy: BlockPolicy, costs: CostModel, max_tokens: int 
         out.tokens, out.seconds = min(n, out.tokens + a + 1), out.seconds + seconds
         out.blocks.append(B)
         out.accepted.append(a)
+    return out
+
+
+@dataclass
+class BatchedReplayed:
+    """A batched replay: seconds on the batched cost model, tokens committed over every request, and steps."""
+
+    seconds: float = 0.0
+    tokens: int = 0  # past each request's prefill token
+    steps: int = 0
+    cycles: int = 0  # steps in which at least one request verified drafts
+    accepted: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def replay_batched(
+    traces: list[Trace],
+    concurrency: int,
+    costs: BatchedCostModel,
+    block_max: int,
+    prior: list[float] | None,
+    drafting: bool = True,
+) -> BatchedReplayed:
+    """The traces' answers decoded `concurrency` at a time as `batched.BatchedDecoder` decodes them with `costs`
+    (T = 0): each request joins as one leaves, in the traces' order; every step's blocks are `batched_costs.plan`'s
+    from each request's own acceptance estimates (the drafter card's `prior`, then its cycles, counted as the decoder
+    counts them); each step is timed at `costs.step`. `drafting=False`: batched plain steps, every block 1.
+
+    Args:
+        traces: the recorded answers (their drafts recorded at blocks up to `block_max`).
+        concurrency: the most requests decoded together.
+        costs: the batched cost curve the steps are timed at and chosen by.
+        block_max: the largest block a request verifies.
+        prior: the drafter's acceptance by draft position (its card's), None: no counts.
+        drafting: whether requests draft at all.
+    """
+    waiting, running, out = list(traces), [], BatchedReplayed()
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            running.append([waiting.pop(0), 1, AcceptanceEstimates(block_max - 1, prior)])  # trace, produced, counts
+        k = len(running)
+        lefts = [len(trace.tokens) - produced + 1 for trace, produced, _ in running]
+        blocks = [1] * k
+        if drafting:
+            blocks, _, _ = plan(costs, [e.estimates() for _, _, e in running], lefts, [True] * k, block_max)
+        n, out.steps = max(blocks), out.steps + 1
+        out.seconds += costs.step(k, n, sum(B > 1 for B in blocks))
+        out.cycles += n > 1
+        for r, B in zip(running, blocks):
+            trace, produced, estimates = r
+            a = 0
+            if B > 1:
+                a = trace.accepted(produced - 1, B, B)
+                estimates.observe_block(a, B - 1)
+                out.accepted += a
+            r[1] = min(len(trace.tokens), produced + a + 1)
+            out.tokens += r[1] - produced
+        running = [r for r in running if r[1] < len(r[0].tokens)]
     return out

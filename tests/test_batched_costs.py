@@ -16,6 +16,7 @@ from dflash2_mlx.adaptive import expected_tokens
 from dflash2_mlx.batched import BatchedDecoder, load_or_measure_batched_costs, measure_batched_costs
 from dflash2_mlx.batched_costs import BatchedCostModel, batch_points, block_points, plan
 from dflash2_mlx.loading import bind_drafter
+from dflash2_mlx.replay import record, replay_batched
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 
@@ -148,3 +149,52 @@ def test_the_decoder_steps_as_the_curve_says(costs):
         assert decoder.batched_cycles > 0 and rate > plain
     else:
         assert decoder.batched_cycles == 0 and decoder.plain_steps > 0 and rate == plain
+
+
+@pytest.mark.parametrize("drafting", [True, False], ids=["cycles", "plain"])
+def test_the_batched_replay_decides_and_times_as_the_decoder(drafting):
+    """Four requests, three at a time, on the Mac-like curve: the replay of their recorded answers takes the
+    decoder's steps (blocks chosen by `plan` from the same estimates, requests joining as one leaves) and times them
+    at the curve, step by step."""
+    model = make_target("llama", seed=1)
+    prompts = [[7, 8, 9], list(range(10, 30)), [200], [31, 32]]
+    spoilers = [{"wrong_every": 4}, {"right_between": (10, 30)}, {}, {"wrong_every": 3}]
+    max_tokens, concurrency, prior = 40, 3, [0.9] * 5
+
+    def oracle(i):
+        o = make_oracle(model, prompts[i], block_size=6, **spoilers[i])
+        o.acceptance_prior = prior
+        return o
+
+    traces = []
+    for i, p in enumerate(prompts):
+        o = oracle(i)
+        traces.append(record(bind_drafter(o, model), o, p, max_tokens, [6]))
+    o = oracle(0)
+    target = Target(model, o.config.target_layer_ids)
+    seconds, steps, waiting, produced, kinds = 0.0, 0, list(range(len(prompts))), {}, set()
+    with BatchedDecoder(target, None, 6, MAC) as decoder:
+        while waiting or produced:
+            while waiting and len(produced) < concurrency:
+                i = waiting.pop(0)
+                uid, first = decoder.add(prompts[i], SamplingParams(), max_tokens, drafter=o if i == 0 else oracle(i))
+                produced[uid] = (i, list(first.tokens))
+            blocks = decoder.choose_blocks() if drafting else {uid: 1 for uid in produced}
+            seconds += MAC.step(len(produced), max(blocks.values()), sum(B > 1 for B in blocks.values()))
+            steps += 1
+            kinds.add(tuple(sorted({min(B, 2) for B in blocks.values()})))
+            for uid, s in decoder.step(blocks).items():
+                produced[uid][1].extend(s.tokens)
+                i, tokens = produced[uid]
+                if len(tokens) >= max_tokens:
+                    assert tokens[:max_tokens] == traces[i].tokens  # the answer recorded is the one decoded
+                    decoder.remove(uid)
+                    del produced[uid]
+    out = replay_batched(traces, concurrency, MAC, 6, prior, drafting)
+    assert (out.steps, out.cycles) == (steps, decoder.batched_cycles)
+    assert out.seconds == pytest.approx(seconds) and out.tokens == len(prompts) * (max_tokens - 1)
+    if drafting:  # steps where every request drafted and steps where some did not: the estimates decide
+        assert {(2,), (1, 2)} <= kinds
+        assert out.tokens_per_s > replay_batched(traces, concurrency, MAC, 6, prior, drafting=False).tokens_per_s
+    else:
+        assert decoder.batched_cycles == 0
