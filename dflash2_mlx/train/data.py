@@ -166,16 +166,19 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
     shard_index = len(list(out.glob("shard-*.npz")))
 
     def todo() -> Iterator[tuple[str, list[int], bool]]:
-        taken, seen = 0, {prompt_key(s) for s in written}
+        taken, seen, too_long = 0, {prompt_key(s) for s in written}, None
         for index, cid, messages in sharegpt_turns():
             if taken >= settings.num_prompts:
                 return
-            if len(messages) > 1 and settings.turns == "first":
-                continue
+            if len(messages) > 1 and (settings.turns == "first" or too_long == index):
+                continue  # a later turn, or one after a turn too long: its context holds that turn
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             key = tuple(ids)
-            if len(ids) > settings.max_prompt_tokens or (key in seen and cid not in done):
-                continue  # too long, or a prompt asked before (the same answer at T = 0)
+            if len(ids) > settings.max_prompt_tokens:
+                too_long = index
+                continue
+            if key in seen and cid not in done:
+                continue  # a prompt asked before (the same answer at T = 0)
             seen.add(key)
             taken += 1
             if cid not in done:
