@@ -20,6 +20,7 @@ from dflash2_mlx import distributed
 from dflash2_mlx.assets import DEFAULT_TARGET_NAME
 from dflash2_mlx.server import GenerationArguments, ServeSettings
 from dflash2_mlx.server import build_server as build_app_server
+from dflash2_mlx.server.batched_worker import BATCHED_SPECULATION
 
 log = logging.getLogger("dflash2.serve")
 
@@ -88,6 +89,14 @@ def add_parser(sub) -> None:
         default=d.decode_concurrency,
         help="most requests decoded together in one batch, as mlx_lm.server's flag; 1 serves one request "
         "at a time, always speculatively (default %(default)s)",
+    )
+    p.add_argument(
+        "--batched-speculation",
+        choices=BATCHED_SPECULATION,
+        default=d.batched_speculation,
+        help="concurrent requests draft and verify together: where this machine's measured batched cost curve "
+        "says it pays (auto), always where they can (on: an error where they cannot), or never (off: mlx-lm's "
+        "batch, plain steps) (default %(default)s)",
     )
     p.add_argument(
         "--api-key",
@@ -196,6 +205,7 @@ def settings_of(args) -> ServeSettings:
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         decode_concurrency=args.decode_concurrency,
+        batched_speculation=args.batched_speculation,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
         max_body_bytes=args.max_body_bytes,

@@ -169,6 +169,21 @@ def test_a_cpu_like_curve_runs_no_batched_cycle(tiny_pair, tiny_dflash2, monkeyp
     assert metrics["dflash2_batched_cycles_total"] == 0
 
 
+@pytest.mark.parametrize("policy", ["on", "off"])
+def test_batched_speculation_on_or_off_as_asked(tiny_pair, tiny_dflash2, monkeypatch, policy):
+    """`--batched-speculation on` runs the speculative batch on a curve where no cycle pays (its plan then takes
+    plain steps); `off` keeps mlx-lm's batch on one where cycles pay. The answers are each prompt's alone."""
+    batched_decide_on(monkeypatch, cpu_batched_costs if policy == "on" else flat_batched_costs)
+    with running(tiny_pair[0], tiny_dflash2, "--batched-speculation", policy) as (app, port):
+        want = alone(app)
+        results, health, _ = concurrent_clients(app, port, monkeypatch)
+    assert [r[:3] for r in results] == want
+    batch = health["batch"]
+    assert batch["speculative"] == (policy == "on") and batch["reason"].startswith(f"--batched-speculation {policy}")
+    assert batch["batched_cycles"] == 0 and batch["max_size"] == 8
+    assert (app.worker.batched_costs is not None) == (policy == "on")
+
+
 def test_requests_it_cannot_honour_yet_decode_in_mlx_lms_batch(tiny_pair, tiny_dflash2, monkeypatch):
     """A repetition penalty and a logit bias (logits processors) on a curve where cycles pay: the batch is
     mlx-lm's, by plain steps, and each answer is mlx-lm's with the same processors, alone."""
@@ -298,3 +313,10 @@ def test_the_warm_start_loads_the_batched_curve_where_a_batched_cycle_can_run(mo
     assert "--verify-mode off" in batched_warm_start(model, drafter, GenerationArguments(verify_mode="off"), 32)[2]
     assert "one at a time" in batched_warm_start(model, drafter, defaults, 1)[2]
     assert len(calls) == 3
+    # --batched-speculation: on takes the curve where no cycle pays; off measures nothing; on where it cannot run
+    # is an error naming why
+    assert batched_warm_start(model, drafter, defaults, 32, "on") == (curve(4, 8), 4, batched_worker.FORCED)
+    assert batched_warm_start(model, drafter, defaults, 32, "off")[0] is None and len(calls) == 4
+    for args in ((swa, make_dflash2_drafter(swa, block_size=8)), (model, None)):
+        with pytest.raises(ValueError, match="--batched-speculation on cannot run here .*(rolled back|no drafter)"):
+            batched_warm_start(*args, defaults, 32, "on")

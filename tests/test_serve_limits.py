@@ -114,6 +114,7 @@ def test_bad_flags_say_what_to_give(flags, message, capsys):
         (dict(read_timeout=0), "--read-timeout must be > 0"),
         (dict(max_body_bytes=0), "--max-body-bytes must be"),
         (dict(api_key=" "), "--api-key is empty"),
+        (dict(batched_speculation="yes"), "--batched-speculation takes auto, on, off; got 'yes'"),
     ],
 )
 def test_bad_settings_are_refused(settings, message):

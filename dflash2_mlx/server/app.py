@@ -17,7 +17,7 @@ from ..generate import resolve_block_size
 from ..loading import bind_drafter
 from ..target import Target
 from ..tree import TREE_BUDGET_MAX, default_budget
-from .batched_worker import BatchedWorker, batched_warm_start
+from .batched_worker import BATCHED_SPECULATION, BatchedWorker, batched_warm_start
 from .http import make_server
 from .protocol import GenerationArguments, RequestParser
 from .scheduler import COUNTS
@@ -38,6 +38,7 @@ class ServeSettings:
     prompt_cache_size: int = 10  # prompt-cache slots (distinct cached sequences), as mlx_lm.server's flag
     prompt_cache_bytes: int | None = None  # their byte budget; None: bounded by the slot count alone
     decode_concurrency: int = 32  # most requests decoded together (mlx_lm.server's flag); more wait queued
+    batched_speculation: str = "auto"  # "auto": where the measured batched curve pays; "on"; "off" (mlx-lm's batch)
     api_key: str | None = field(default=None, repr=False)  # required of every client (Bearer or x-api-key)
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any); none by default
     max_body_bytes: int = 16 << 20  # a longer request body gets 413
@@ -45,6 +46,10 @@ class ServeSettings:
     chat_template_args: Mapping | None = None  # keyword arguments of every chat template call (requests add theirs)
 
     def __post_init__(self):
+        if self.batched_speculation not in BATCHED_SPECULATION:
+            raise ValueError(
+                f"--batched-speculation takes {', '.join(BATCHED_SPECULATION)}; got {self.batched_speculation!r}"
+            )
         if self.read_timeout <= 0:
             raise ValueError(f"--read-timeout must be > 0 seconds, got {self.read_timeout:g}")
         if self.max_body_bytes < 1:
@@ -154,7 +159,9 @@ class App:
         # a sharded target: mlx-lm's BatchGenerator would run the model on rank 0 alone, so never more than one
         concurrency = 1 if self.sharded else settings.decode_concurrency
         tic = time.perf_counter()
-        costs, block_max, reason = batched_warm_start(model, drafter, self.defaults, concurrency)
+        costs, block_max, reason = batched_warm_start(
+            model, drafter, self.defaults, concurrency, settings.batched_speculation
+        )
         if costs is not None:
             log.info("batched step costs ready in %.1f s: %s", time.perf_counter() - tic, reason)
         self.worker = BatchedWorker(

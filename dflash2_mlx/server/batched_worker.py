@@ -33,6 +33,8 @@ from .scheduler import RESUME_GRACE_STEPS, RESUME_MIN_TOKENS, Batched, Job, Reco
 BATCH_MAX = 8  # the largest batch the batched cost curve times (larger ones are scaled from it)
 PAYS = "a batched cycle pays on this machine's measured curve: each step's blocks are chosen by it"
 NOT_PAYING = "not paying on this machine's measured curve: concurrent requests decode by plain batched steps"
+FORCED = "--batched-speculation on: each step's blocks are chosen by this machine's measured curve"
+BATCHED_SPECULATION = ("auto", "on", "off")  # `ServeSettings.batched_speculation`
 
 
 def cycles_pay(costs: BatchedCostModel, prior, block_max: int, concurrency: int) -> bool:
@@ -43,7 +45,7 @@ def cycles_pay(costs: BatchedCostModel, prior, block_max: int, concurrency: int)
 
 
 def batched_warm_start(
-    model, drafter, defaults: GenerationArguments, concurrency: int
+    model, drafter, defaults: GenerationArguments, concurrency: int, policy: str = "auto"
 ) -> tuple[BatchedCostModel | None, int, str]:
     """The batched cost curve the server's batches decide by, loaded from the cache or measured now, before the
     server accepts a request: (the curve, None where batched cycles never run; the largest block; why).
@@ -53,22 +55,38 @@ def batched_warm_start(
         drafter: the drafter (None: nothing to draft).
         defaults: the server's generation arguments (its verify mode and block size).
         concurrency: the most requests decoded together.
+        policy: "auto" (batches speculate where the curve says a batched cycle can pay), "on" (wherever they can:
+            a setting that rules them out is an error) or "off" (never).
+
+    Raises:
+        ValueError: `policy` is "on" where batches cannot speculate (the reason said).
     """
-    if drafter is None:
-        return None, 0, "no drafter: concurrent requests decode by plain batched steps"
-    if defaults.verify_mode == "off":
-        return None, 0, "--verify-mode off: concurrent requests decode by plain batched steps"
-    if concurrency < 2 or isinstance(model, Target):
-        return None, 0, "requests decode one at a time: no batch"
+    if policy == "off":
+        return None, 0, "--batched-speculation off: concurrent requests decode by plain batched steps"
+    reason = _no_batch(model, drafter, defaults, concurrency)
+    if reason is not None and policy == "on":
+        raise ValueError(f"--batched-speculation on cannot run here ({reason}); use auto or off")
+    if reason is not None:
+        return None, 0, reason
     target = bind_drafter(drafter, model)
-    refusal = batch_refusal(target)
-    if refusal is not None:
-        return None, 0, refusal
     block = resolve_block_size(drafter, defaults.block_size, defaults.verify_mode)
     costs = load_or_measure_batched_costs(target, drafter, block, min(BATCH_MAX, concurrency))
+    if policy == "on":
+        return costs, block, FORCED
     if not cycles_pay(costs, drafter.acceptance_prior, block, concurrency):
         return None, block, NOT_PAYING
     return costs, block, PAYS
+
+
+def _no_batch(model, drafter, defaults: GenerationArguments, concurrency: int) -> str | None:
+    """Why the server's batches cannot speculate (None: they can)."""
+    if drafter is None:
+        return "no drafter: concurrent requests decode by plain batched steps"
+    if defaults.verify_mode == "off":
+        return "--verify-mode off: concurrent requests decode by plain batched steps"
+    if concurrency < 2 or isinstance(model, Target):
+        return "requests decode one at a time: no batch"
+    return batch_refusal(bind_drafter(drafter, model))
 
 
 @dataclass
