@@ -5,6 +5,7 @@ port 0, mlx_lm.server started again when its free port was taken), with stand-in
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import json
 import socket
@@ -15,7 +16,8 @@ import threading
 import numpy as np
 import pytest
 
-from dflash2_apps import load_test as load
+from dflash2_apps import load_compare as load
+from dflash2_apps import load_test
 
 # Stand-ins for the two servers: each binds the port it is given (0: the system picks), answers /health with
 # 200, and then says where it listens as the real one does; a taken port makes it exit with Python's
@@ -118,6 +120,20 @@ def test_abba_alternates_which_server_goes_first():
     a, b = "dflash2 serve", "mlx_lm.server"
     assert load.abba(1) == [(a, b)]
     assert [x for order in load.abba(4) for x in order] == [a, b, b, a, a, b, b, a]
+    on, off = "dflash2 serve (batched on)", "dflash2 serve (batched off)"
+    names = load.server_names(["on", "off"])
+    assert names == (on, off, b) and load.server_names([]) == (a, b)
+    assert [x for order in load.abba(2, names) for x in order] == [on, off, b, b, off, on]
+    assert load.compared(names) == [(on, b), (off, b), (on, off)] and load.compared((a, b)) == [(a, b)]
+
+
+def test_each_dflash2_serve_gets_its_batched_speculation():
+    args = argparse.Namespace(levels=[2], serve_arg=[], verify_mode=None)
+    off, _ = load.server_command(args, "T", "D", "dflash2 serve (batched off)", 0)
+    plain, _ = load.server_command(args, "T", "D", "dflash2 serve", 0)
+    theirs, _ = load.server_command(args, "T", "D", "mlx_lm.server", 1234)
+    assert off[3] == "serve" and off[-2:] == ["--batched-speculation", "off"] and off[:-2] == plain
+    assert theirs[1:3] == ["-m", "mlx_lm.server"] and "--batched-speculation" not in plain + theirs
 
 
 def test_merge_trials_takes_medians_of_rounds_and_pools_requests():
@@ -148,10 +164,13 @@ def test_ratios_and_agreement_pair_the_rounds():
     assert found["rounds"] == [10 / 5, 5 / 10]
     assert found["median"] == statistics.median([10, 5]) / statistics.median([5, 10]) == 1.0
     assert load.agreement(report) == {"same": 1, "compared": 2}
+    assert load.ratios(report, "mlx_lm.server", "dflash2 serve")["1"]["rounds"] == [5 / 10, 10 / 5]
 
 
 @pytest.mark.slow
-def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2, tmp_path):
+def test_compare_runs_every_server_and_writes_the_report(tiny_pair, tiny_dflash2, tmp_path):
+    """dflash2 serve with batched speculation on and off, and mlx_lm.server: three servers, ABBA rounds, one
+    report with each pair's throughput and answers compared."""
     out = tmp_path / "load-vs-mlx-lm"
     argv = [
         "--compare",
@@ -171,6 +190,8 @@ def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2
         "--serve-arg=4",
         "--trials",
         "2",
+        "--batched-speculation",
+        "on,off",
         "--out",
         str(out),
         "--timeout",
@@ -178,9 +199,10 @@ def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2
         "--start-timeout",
         "120",
     ]
-    assert load.main(argv) == 0
+    assert load_test.main(argv) == 0
     report = json.loads(out.with_suffix(".json").read_text())
-    assert list(report["servers"]) == ["dflash2 serve", "mlx_lm.server"]
+    on, off, theirs = "dflash2 serve (batched on)", "dflash2 serve (batched off)", "mlx_lm.server"
+    assert list(report["servers"]) == [on, off, theirs]
     for name, rows in report["servers"].items():
         assert list(rows) == ["1", "2"]
         for level, row in rows.items():
@@ -191,13 +213,21 @@ def test_compare_runs_both_servers_and_writes_the_report(tiny_pair, tiny_dflash2
     # interleaved, ABBA at each level: ours, theirs, theirs, ours, by their start times
     for level in ("1", "2"):
         starts = sorted((t["start_s"], name) for name, rows in report["servers"].items() for t in rows[level]["trials"])
-        assert [name for _, name in starts] == ["dflash2 serve", "mlx_lm.server", "mlx_lm.server", "dflash2 serve"]
-    assert report["servers"]["dflash2 serve"]["1"]["verify_modes"] == ["dflash"]  # a lone client: speculative
+        assert [name for _, name in starts] == [on, off, theirs, theirs, off, on]
+    for name in (on, off):
+        assert report["servers"][name]["1"]["verify_modes"] == ["dflash"]  # a lone client: speculative
     # T = 0 on one target: every answer the same text from both servers (1 x 2 and 2 x 2 answers, two rounds)
     texts = [t["texts"] for rows in report["servers"].values() for r in rows.values() for t in r["trials"]]
     assert all(t for t in texts)
-    assert report["agreement"]["compared"] == 2 * (2 + 4) and report["agreement"]["same"] == 12
+    pairs = [f"{on} / {theirs}", f"{off} / {theirs}", f"{on} / {off}"]
+    assert list(report["agreement"]) == list(report["ratios"]) == pairs
+    assert all(a == {"same": 12, "compared": 2 * (2 + 4)} for a in report["agreement"].values())
+    batch = report["batch"]  # /health at the end: the speculative batch ran with on (this curve: plain steps)
+    assert batch[on]["speculative"] and batch[on]["reason"].startswith("--batched-speculation on")
+    assert not batch[off]["speculative"] and batch[off]["reason"].startswith("--batched-speculation off")
+    assert batch[on]["batched_steps"] > 0 and batch[off]["batched_steps"] > 0
     md = out.with_suffix(".md").read_text()
-    assert md.count("| dflash2 serve |") == 2 and md.count("| mlx_lm.server |") == 2
-    assert "Throughput, dflash2 serve / mlx_lm.server, by clients: 1: " in md
+    assert all(md.count(f"| {name} |") == 2 for name in (on, off, theirs))
+    assert f"{on}, /health at the end: " in md
+    assert all(f"Throughput, {pair}, by clients: 1: " in md for pair in pairs)
     assert "2 rounds in ABBA order" in md
