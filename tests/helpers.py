@@ -678,6 +678,30 @@ def wait_for(condition, what: str, timeout: float = TIMEOUT):
 
 
 @contextmanager
+def held_first(monkeypatch):
+    """The server's first generation holds before its second record (a speculative cycle) until the gate opens;
+    `holding` is set once it waits there. Yields (gate, holding); the gate opens on exit whatever happened."""
+    from dflash2_mlx.server import scheduler
+
+    gate, holding, real, calls = threading.Event(), threading.Event(), scheduler.relayed_cycles, []
+
+    def held(*args, **kwargs):
+        calls.append(1)
+        first = len(calls) == 1
+        for i, record in enumerate(real(*args, **kwargs)):
+            if i == 1 and first:
+                holding.set()
+                assert gate.wait(TIMEOUT), "the test never opened the gate"
+            yield record
+
+    monkeypatch.setattr(scheduler, "relayed_cycles", held)
+    try:
+        yield gate, holding
+    finally:
+        gate.set()
+
+
+@contextmanager
 def running(target_dir, drafter_dir, *flags):
     """A `dflash2 serve` App and HTTP server in this process, on the port the OS picks for `--port 0` (the
     second item yielded); stopped on exit."""

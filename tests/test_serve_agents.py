@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from helpers import GOOD, SPECIALS, TIMEOUT, WORDS, chat_ids, expected, request, running, user, wait_for
+from helpers import GOOD, SPECIALS, TIMEOUT, WORDS, chat_ids, expected, held_first, request, running, user, wait_for
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools
@@ -494,29 +494,6 @@ def test_a_byte_budget_keeps_only_what_fits(tiny_pair, tiny_dflash2):
 
 
 # -- concurrency: batched decoding ------------------------------------------------------------------------------
-
-
-@contextmanager
-def held_first(monkeypatch):
-    """The first generation holds before its second record (a speculative cycle) until the gate opens; `holding`
-    is set once it waits there."""
-    gate, holding, real = threading.Event(), threading.Event(), scheduler.relayed_cycles
-    calls = []
-
-    def held(*args, **kwargs):
-        calls.append(1)
-        first = len(calls) == 1
-        for i, record in enumerate(real(*args, **kwargs)):
-            if i == 1 and first:
-                holding.set()
-                assert gate.wait(TIMEOUT), "the test never opened the gate"
-            yield record
-
-    monkeypatch.setattr(scheduler, "relayed_cycles", held)
-    try:
-        yield gate, holding
-    finally:
-        gate.set()
 
 
 PROMPTS = [user(" ".join(f"w{7 * i + j + 3}" for j in range(1 + i % 5))) for i in range(8)]

@@ -18,6 +18,7 @@ from helpers import (
     chat_ids,
     cpu_batched_costs,
     flat_batched_costs,
+    held_first,
     make_dflash2_drafter,
     make_target,
     parse_metrics,
@@ -54,18 +55,6 @@ def concurrent_clients(app, port, monkeypatch, n: int = 8, extra: dict | None = 
     """n openai clients at once (every other one streaming), T = 0: the first request is held after its first
     token until the others are queued, then moves into the batch with them. Returns (replies as (text, completion
     tokens, finish reason, batch size), /health, /metrics). `extra`: fields every client sends beside OpenAI's."""
-    gate, holding, real, calls = threading.Event(), threading.Event(), scheduler.relayed_cycles, []
-
-    def held(*args, **kwargs):
-        calls.append(1)
-        first = len(calls) == 1
-        for i, record in enumerate(real(*args, **kwargs)):
-            if i == 1 and first:
-                holding.set()
-                assert gate.wait(TIMEOUT), "the test never opened the gate"
-            yield record
-
-    monkeypatch.setattr(scheduler, "relayed_cycles", held)
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
     results = [None] * n
 
@@ -94,16 +83,17 @@ def concurrent_clients(app, port, monkeypatch, n: int = 8, extra: dict | None = 
             results[i] = ("error", str(e), None, 0)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-    try:
-        threads[0].start()
-        assert holding.wait(TIMEOUT), "the first request never ran"
-        for t in threads[1:]:
-            t.start()
-        wait_for(lambda: app.worker.jobs.qsize() == n - 1, "the others to queue")
-    finally:
-        gate.set()
-        for t in threads:
-            t.join(TIMEOUT)
+    with held_first(monkeypatch) as (gate, holding):
+        try:
+            threads[0].start()
+            assert holding.wait(TIMEOUT), "the first request never ran"
+            for t in threads[1:]:
+                t.start()
+            wait_for(lambda: app.worker.jobs.qsize() == n - 1, "the others to queue")
+        finally:
+            gate.set()
+            for t in threads:
+                t.join(TIMEOUT)
     health = request(port, "GET", "/health")[2]
     metrics = parse_metrics(metrics_text(port))
     return results, health, metrics
@@ -255,33 +245,22 @@ def test_requests_leave_the_speculative_batch_stopped_finished_or_alone(tokenize
 
     monkeypatch.setattr(batched_worker.BatchedWorker, "_relay", relayed)
     monkeypatch.setattr(scheduler.Worker, "_continued", resumed_record)
-    gate, holding, real, calls = threading.Event(), threading.Event(), scheduler.relayed_cycles, []
-
-    def held(*args, **kwargs):
-        calls.append(1)
-        first = len(calls) == 1
-        for i, record in enumerate(real(*args, **kwargs)):
-            if i == 1 and first:
-                holding.set()
-                assert gate.wait(TIMEOUT), "the test never opened the gate"
-            yield record
-
-    monkeypatch.setattr(scheduler, "relayed_cycles", held)
     out = []
-    try:
-        worker.submit(jobs[0])
-        assert holding.wait(TIMEOUT)
-        worker.submit(jobs[1])
-        worker.submit(jobs[2])
-        gate.set()
-        for job in jobs:
-            tokens = []
-            while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
-                tokens += event[1].tokens
-            out.append((tokens, event[1]))
-    finally:
-        gate.set()
-        assert worker.stop()
+    with held_first(monkeypatch) as (gate, holding):
+        try:
+            worker.submit(jobs[0])
+            assert holding.wait(TIMEOUT)
+            worker.submit(jobs[1])
+            worker.submit(jobs[2])
+            gate.set()
+            for job in jobs:
+                tokens = []
+                while (event := job.events.get(timeout=TIMEOUT))[0] == "record":
+                    tokens += event[1].tokens
+                out.append((tokens, event[1]))
+        finally:
+            gate.set()
+            assert worker.stop()
     wants = [
         generate(model, tokenizer, p, None, verify_mode="off", max_tokens=n, eos_token_ids=[]).tokens
         for p, n in zip(prompts, lengths)

@@ -6,9 +6,7 @@ as alone."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 from helpers import (
@@ -17,6 +15,7 @@ from helpers import (
     call,
     decide_on,
     expected,
+    held_first,
     make_dflash2_drafter,
     make_target,
     parse_metrics,
@@ -129,27 +128,6 @@ def test_the_flag_and_its_errors(tiny_pair, capsys):
     finally:
         app.close()
         server.server_close()
-
-
-@contextmanager
-def held_first(monkeypatch):
-    """The first generation holds before its second record until the gate opens (`holding`: it waits there)."""
-    gate, holding, real, calls = threading.Event(), threading.Event(), scheduler.relayed_cycles, []
-
-    def held(*args, **kwargs):
-        calls.append(1)
-        first = len(calls) == 1
-        for i, record in enumerate(real(*args, **kwargs)):
-            if i == 1 and first:
-                holding.set()
-                assert gate.wait(TIMEOUT), "the test never opened the gate"
-            yield record
-
-    monkeypatch.setattr(scheduler, "relayed_cycles", held)
-    try:
-        yield gate, holding
-    finally:
-        gate.set()
 
 
 def test_batched_copy_requests_answer_as_alone(tokenizer, monkeypatch):
