@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -344,7 +345,7 @@ class Outcome:
     stats: dict
 
 
-class Reply:
+class Reply(ABC):
     """One answer in an API's shapes, built as the text comes: the handler feeds it the generated text (cut at
     stop strings) and, streaming, sends the events it returns ((event name or None, JSON body) pairs), else the
     body it makes at the end. Subclasses shape it; this class splits the text (`TextStates`).
@@ -379,17 +380,17 @@ class Reply:
         """A stream's first events, sent before the first text's."""
         return []
 
+    @abstractmethod
     def feed(self, text: str) -> list:
         """Take the next text; the events to send now (none unless streaming)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def end(self, outcome: Outcome) -> list:
         """A stream's last events."""
-        raise NotImplementedError
 
+    @abstractmethod
     def body(self, outcome: Outcome) -> dict:
         """The answer's body, not streamed."""
-        raise NotImplementedError
 
     @staticmethod
     def error_body(e) -> dict:
