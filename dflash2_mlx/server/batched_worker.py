@@ -10,7 +10,6 @@ decoder cannot honour yet (logits processors, logprobs, a sampler of their own, 
 
 from __future__ import annotations
 
-import queue
 import time
 from dataclasses import dataclass
 
@@ -28,7 +27,7 @@ from ..prompt_cache import PromptCache
 from ..sampling import SamplingParams
 from ..target import Target
 from .protocol import GenerationArguments
-from .scheduler import RESUME_GRACE_STEPS, RESUME_MIN_TOKENS, Batched, Job, Record, Worker
+from .scheduler import RESUME_GRACE_STEPS, Batched, Job, Record, Worker
 
 BATCH_MAX = 8  # the largest batch the batched cost curve times (larger ones are scaled from it)
 PAYS = "a batched cycle pays on this machine's measured curve: each step's blocks are chosen by it"
@@ -154,19 +153,19 @@ class BatchedWorker(Worker):
             job, cache, covered, rest, generated, cached = handover
             self._join(decoder, entries, job, covered + rest, cache if covered else None, generated, cached)
             while True:
-                self._admit_speculative(decoder, entries)
+                self._admit(
+                    entries,
+                    self.speculates,
+                    lambda job, cache, keep: self._join(decoder, entries, job, job.prompt, cache, 0, keep),
+                    lambda: sum(c.nbytes for c in decoder.cache or ()),
+                )
                 if not entries:
                     return None
                 cycles = decoder.batched_cycles
                 steps = decoder.step()
-                if len(steps) > 1:
-                    self.batched_steps += 1
-                    self.batch_size_max = max(self.batch_size_max, len(steps))
-                self.batch_size = len(entries)
+                self._count_step(entries, list(steps))
                 accepted = 0
                 for uid, step in steps.items():
-                    e = entries[uid]
-                    e.job.batch_size = max(e.job.batch_size, len(steps))
                     accepted += step.accepted or 0
                     self._relay(decoder, entries, uid, step)
                 if decoder.batched_cycles > cycles:
@@ -182,28 +181,9 @@ class BatchedWorker(Worker):
                     continue
                 alone += 1
                 if alone > RESUME_GRACE_STEPS:
-                    back = self._alone_speculative(decoder, entries)
+                    back = self._alone(entries, lambda e: e.mode != "off", decoder.extract)
                     if back is not None:
                         return back
-
-    def _admit_speculative(self, decoder: BatchedDecoder, entries: dict) -> None:
-        """Admit queued jobs, first come first served, while the batch has room and the head can speculate."""
-        while len(entries) < self.decode_concurrency:
-            head = self._head()
-            if head is None or not self.speculates(head):
-                return
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:  # `stop` emptied it
-                return
-            if not self._start(job):
-                continue
-            cache, keep = (None, 0) if self.caches is None else self.caches.borrow(self.model, job.prompt)
-            self.cache_info = self._cache_info()
-            self._join(decoder, entries, job, job.prompt, cache, 0, keep)
-            if self.caches is not None and self.caches.max_bytes is not None and decoder.cache is not None:
-                self.caches.trim_to(self.caches.max_bytes - sum(c.nbytes for c in decoder.cache))
-                self.cache_info = self._cache_info()
 
     def _join(
         self, decoder: BatchedDecoder, entries: dict, job: Job, tokens: list[int], cache, generated: int, cached: int
@@ -276,19 +256,3 @@ class BatchedWorker(Worker):
         cache, tokens = decoder.extract(uid)
         self._keep(PromptCache.of_target(self.model, tokens, cache))
         self._end(e.job, reason, e.cached)
-
-    def _alone_speculative(self, decoder: BatchedDecoder, entries: dict) -> tuple[Batched, list[int]] | None:
-        """Take the batch's one request out, to go on speculatively alone (as `Worker._alone` does), when it
-        drafts and has at least RESUME_MIN_TOKENS to go."""
-        ((uid, e),) = entries.items()
-        if e.mode == "off" or e.job.generation.max_tokens - e.generated < RESUME_MIN_TOKENS:
-            return None
-        cache, tokens = decoder.extract(uid)
-        del entries[uid]
-        self._keep(PromptCache.of_target(self.model, tokens, cache))
-        if tokens[: len(e.job.prompt)] != e.job.prompt or len(tokens) != len(e.job.prompt) + e.generated:
-            raise RuntimeError(
-                f"a batched sequence holds {len(tokens)} tokens, not its prompt and its {e.generated} generated tokens"
-            )
-        self.batch_size = 0
-        return e, tokens

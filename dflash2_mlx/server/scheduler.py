@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 
 import mlx.core as mx
@@ -388,17 +388,20 @@ class Worker:
             job, cache, covered, rest, generated, cached = handover
             self._insert(gen, entries, job, rest, cache, covered, generated, cached)
             while True:
-                self._admit(gen, entries)
+                self._admit(
+                    entries,
+                    self._can_batch,
+                    lambda job, cache, keep: self._insert(
+                        gen, entries, job, job.prompt[keep:], cache, job.prompt[:keep], 0, keep
+                    ),
+                    lambda: gen.prompt_cache_nbytes,
+                )
                 if not entries:
                     return
                 _, responses = gen.next()
-                if len(responses) > 1:
-                    self.batched_steps += 1
-                    self.batch_size_max = max(self.batch_size_max, len(responses))
-                self.batch_size = len(entries)
+                self._count_step(entries, [r.uid for r in responses])
                 for r in responses:
                     e = entries[r.uid]
-                    e.job.batch_size = max(e.job.batch_size, len(responses))
                     self._send(e.job, self._record(e, r.token, r.logprobs, r.finish_reason))
                     if r.finish_reason:
                         del entries[r.uid]
@@ -418,26 +421,36 @@ class Worker:
                     continue
                 alone += 1
                 if alone > RESUME_GRACE_STEPS:
-                    back = self._alone(gen, entries)
+                    back = self._alone(
+                        entries,
+                        lambda e: (
+                            self.drafter is not None and e.job.generation.verify_mode != "off" and bool(e.prompt_tps)
+                        ),
+                        lambda uid: gen.remove([uid], return_prompt_caches=True)[uid],
+                    )
                     if back is not None:
                         return back
         finally:
             gen.close()
 
-    def _alone(self, gen, entries: dict) -> tuple[Batched, list[int]] | None:
-        """Take the batch's one request out of it, to go on speculatively, when that can pay: a drafter to draft
-        with, a first token generated, at least RESUME_MIN_TOKENS to go. Its batch cache is kept as a slot (the
-        speculative generation prefills what no slot with the drafter's context holds)."""
+    def _count_step(self, entries: dict, uids: list[int]) -> None:
+        """Count a batch step that served the requests `uids`."""
+        if len(uids) > 1:
+            self.batched_steps += 1
+            self.batch_size_max = max(self.batch_size_max, len(uids))
+        self.batch_size = len(entries)
+        for uid in uids:
+            entries[uid].job.batch_size = max(entries[uid].job.batch_size, len(uids))
+
+    def _alone(self, entries: dict, drafts: Callable, extract: Callable) -> tuple[Batched, list[int]] | None:
+        """Take the batch's one request out of it, to go on speculatively, when that can pay: it drafts
+        (`drafts(entry)`: a drafter, a first token generated) and has at least RESUME_MIN_TOKENS to go. Its batch
+        cache (`extract(uid)`: its cache and tokens, out of the batch) is kept as a slot (the speculative
+        generation prefills what no slot with the drafter's context holds)."""
         ((uid, e),) = entries.items()
-        generation = e.job.generation
-        if (
-            self.drafter is None
-            or generation.verify_mode == "off"
-            or not e.prompt_tps
-            or generation.max_tokens - e.generated < RESUME_MIN_TOKENS
-        ):
+        if not drafts(e) or e.job.generation.max_tokens - e.generated < RESUME_MIN_TOKENS:
             return None
-        cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
+        cache, tokens = extract(uid)
         del entries[uid]
         tokens = list(tokens)
         self._keep(PromptCache.of_target(self.model, tokens, cache))
@@ -448,11 +461,18 @@ class Worker:
         self.batch_size = 0
         return e, tokens
 
-    def _admit(self, gen, entries: dict) -> None:
-        """Admit queued jobs, first come first served, while the batch has room and the head can be batched."""
+    def _admit(self, entries: dict, can_join: Callable, join: Callable, held_bytes: Callable) -> None:
+        """Admit queued jobs, first come first served, while the batch has room and the head can join it.
+
+        Args:
+            entries: the batch's requests.
+            can_join: whether a job can join the batch.
+            join: puts a job in the batch (job, its prompt-cache slot's cache or None, the tokens it covers).
+            held_bytes: the bytes the batch's caches hold (the prompt-cache budget covers them too).
+        """
         while len(entries) < self.decode_concurrency:
             head = self._head()
-            if head is None or not self._can_batch(head):
+            if head is None or not can_join(head):
                 return
             try:
                 job = self.jobs.get_nowait()
@@ -462,9 +482,9 @@ class Worker:
                 continue
             cache, keep = (None, 0) if self.caches is None else self.caches.borrow(self.model, job.prompt)
             self.cache_info = self._cache_info()
-            self._insert(gen, entries, job, job.prompt[keep:], cache, job.prompt[:keep], 0, keep)
+            join(job, cache, keep)
             if self.caches is not None and self.caches.max_bytes is not None:  # the budget covers the batch's too
-                self.caches.trim_to(self.caches.max_bytes - gen.prompt_cache_nbytes)
+                self.caches.trim_to(self.caches.max_bytes - held_bytes())
                 self.cache_info = self._cache_info()
 
     def _insert(
