@@ -8,7 +8,6 @@ over fixed slots with a preallocated key/value cache: a finished response's slot
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -74,7 +73,8 @@ class TorchTarget:
         model: the loaded mlx-lm model (`llama` or `qwen2`, full attention).
         slots (int): responses decoded at once.
         max_len (int): prompt plus response tokens a slot holds.
-        dtype (str): the matmuls' weights and inputs: "bfloat16", or "float32" (exact, to check against MLX).
+        dtype (str): the matmuls' weights and inputs and the key/value cache: "bfloat16" (as the target runs in
+            bfloat16 on a Mac), or "float32" (exact, to check against MLX).
     """
 
     def __init__(self, model, slots: int, max_len: int, dtype: str = "bfloat16"):
@@ -122,8 +122,8 @@ class TorchTarget:
         half = self.head_dim // 2
         self.inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
         shape = (len(self.layers), slots, self.kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape)
-        self.values = torch.zeros(shape)
+        self.keys = torch.zeros(shape, dtype=bf)
+        self.values = torch.zeros(shape, dtype=bf)
 
     def _rms(self, x, weight):
         return x * self.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -136,13 +136,10 @@ class TorchTarget:
         return self.torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
 
     def _attend(self, q, keys, values, mask):
-        """Grouped-query attention: q [N, H, S, d], keys/values [N, Hkv, L, d], mask [N, 1, S, L] (True: seen)."""
-        n, _, s, d = q.shape
-        group = self.heads // self.kv_heads
-        q = q.reshape(n, self.kv_heads, group * s, d) * (1.0 / math.sqrt(d))
-        scores = (q @ keys.transpose(-1, -2)).view(n, self.kv_heads, group, s, -1)
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
-        return (scores.view(n, self.kv_heads, group * s, -1) @ values).view(n, self.heads, s, d)
+        """Grouped-query attention in the keys' dtype, float32 out: q [N, H, S, d], keys/values [N, Hkv, L, d],
+        mask [N, 1, S, L] (True: seen)."""
+        F = self.torch.nn.functional
+        return F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True).float()
 
     def _layer(self, i: int, x, positions, context):
         """Decoder layer `i` on x [N, S, D] at `positions` [N, S]; `context(i, k, v)` gives the keys, values and
@@ -180,8 +177,8 @@ class TorchTarget:
         leading = bool((slots == torch.arange(n)).all())  # the first n slots: read the cache as a view
 
         def cached(i, k, v):
-            self.keys[i][rows, :, positions] = k.transpose(1, 2)
-            self.values[i][rows, :, positions] = v.transpose(1, 2)
+            self.keys[i][rows, :, positions] = k.transpose(1, 2).to(self.keys.dtype)
+            self.values[i][rows, :, positions] = v.transpose(1, 2).to(self.values.dtype)
             if leading:
                 return self.keys[i][:n, :, :length], self.values[i][:n, :, :length], mask
             return self.keys[i][slots, :, :length], self.values[i][slots, :, :length], mask
