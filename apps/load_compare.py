@@ -22,6 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from dflash2_apps.bench_report import report_context
 from dflash2_apps.load_test import chat_turn, level_summary, run_clients
 from dflash2_apps.openblas import openblas_library
 from dflash2_apps.peer_engines import target_folder
@@ -230,6 +231,7 @@ def compare(args) -> int:
             "trials": args.trials,
             "order": "ABBA",
         },
+        "context": report_context(),
         "servers": {name: {} for name in names},
         "rounds": {},
     }

@@ -155,7 +155,7 @@ class BatchedDecoder:
             prompt: token ids.
             params: its sampling settings.
             max_tokens: the most tokens it commits (its blocks stay within them; None: no limit).
-            drafter: its drafter (default: the decoder's; per request, drafter passes run one request at a time).
+            drafter: its drafter (default: the decoder's; requests sharing one draft in one pass).
             copyspec: look its continuations up in its context (copy drafts, `lookup.py`); None: none.
             prefill_step_size: the prefill's chunk.
             cache: the target's cache of the prompt's first tokens (as many as its offset, fewer than the
@@ -262,12 +262,7 @@ class BatchedDecoder:
         if not self.requests:
             raise RuntimeError("no request in the batch: add one first")
         blocks = self.choose_blocks() if blocks is None else blocks
-        proposals, lookups = [], []
-        for r in self.requests:
-            B = max(1, min(blocks[r.uid], _left(r)))
-            proposal, match = self._propose(r, B)
-            proposals.append(proposal)
-            lookups.append(match)
+        proposals, lookups = self._propose([max(1, min(blocks[r.uid], _left(r))) for r in self.requests])
         n = 1 + max(0 if p is None else p.tokens.size for p in proposals)
         rows = []
         for r, p in zip(self.requests, proposals):
@@ -319,21 +314,34 @@ class BatchedDecoder:
             self.plain_steps += 1
         return steps
 
-    def _propose(self, r: _Request, B: int) -> tuple[Proposal | None, object]:
-        """Request r's drafts for a block of B: its lookup's continuation where it proposes one (at most B - 1
-        tokens), else its drafter's pass (which takes in its pending context); None for a plain step."""
-        if B < 2:
-            return None, None
-        if r.spec is not None:
-            match = r.spec.propose(B - 1)
+    def _propose(self, blocks: list[int]) -> tuple[list[Proposal | None], list]:
+        """Each request's drafts for its block (None for a plain step) and the lookup match they came from: its
+        lookup's continuation where it proposes one (at most B - 1 tokens), else its drafter's, the requests
+        sharing a drafter and a block drafted in one pass (which takes in each one's pending context)."""
+        proposals, lookups, passes = [None] * len(blocks), [None] * len(blocks), {}
+        for i, (r, B) in enumerate(zip(self.requests, blocks)):
+            if B < 2:
+                continue
+            match = None if r.spec is None else r.spec.propose(B - 1)
             if match is not None:
-                return one_hot_proposal(match.tokens), match
-        if r.drafter is None:
-            return None, None
-        context = mx.concatenate(r.pending)[None]
-        r.pending = []
-        block = r.drafter.input_block(mx.array(r.anchor, mx.uint32), B)
-        return r.drafter.propose(block, context, r.draft_cache, r.params), None
+                proposals[i], lookups[i] = one_hot_proposal(match.tokens), match
+            elif r.drafter is not None:
+                passes.setdefault((id(r.drafter), B), []).append(i)
+        for (_, B), picked in passes.items():
+            requests = [self.requests[i] for i in picked]
+            contexts = [mx.concatenate(r.pending)[None] for r in requests]
+            for r in requests:
+                r.pending = []
+            drafter = requests[0].drafter
+            block = mx.concatenate([drafter.input_block(mx.array(r.anchor, mx.uint32), B) for r in requests])
+            if len(requests) == 1:
+                drafted = [drafter.propose(block, contexts[0], requests[0].draft_cache, requests[0].params)]
+            else:
+                caches, params = [r.draft_cache for r in requests], [r.params for r in requests]
+                drafted = drafter.propose_batch(block, contexts, caches, params)
+            for i, proposal in zip(picked, drafted):
+                proposals[i] = proposal
+        return proposals, lookups
 
 
 def _left(r: _Request) -> int:
@@ -350,7 +358,8 @@ def measure_batched_costs(
     repeats: int = 3,
     points: tuple[list[int], list[int]] | None = None,
 ) -> BatchedCostModel:
-    """Time the target's forward over n tokens for each of k requests, with its rollback, and the drafter's pass.
+    """Time the target's forward over n tokens for each of k requests, with its rollback, and the drafter's pass
+    (for one request, and over k requests' blocks of `block_max` at once).
 
     Each timed forward starts from the same batch cache (k copies of one prefilled context); its rollback keeps
     n rows of every other request and one of the rest, so rows are shifted as in a real cycle.
@@ -384,10 +393,15 @@ def measure_batched_costs(
             mx.eval([c.state for c in cache])
             return time.perf_counter() - tic
 
-        def draft(B):
+        def draft(B, k=1):
             block = drafter.input_block(tokens[context_tokens], B)
+            caches = [drafter.make_cache() for _ in range(k)]
             tic = time.perf_counter()
-            mx.eval(drafter.propose(block, context[None], drafter.make_cache(), SamplingParams()).tokens)
+            if k == 1:
+                mx.eval(drafter.propose(block, context[None], caches[0], SamplingParams()).tokens)
+            else:
+                blocks, contexts = mx.concatenate([block] * k), [context[None]] * k
+                mx.eval([p.tokens for p in drafter.propose_batch(blocks, contexts, caches, [SamplingParams()] * k)])
             return time.perf_counter() - tic
 
         draft_sizes = sorted({2, max(block_max, 2)})
@@ -398,9 +412,15 @@ def measure_batched_costs(
             for B in draft_sizes:
                 s = draft(B)
                 seconds["draft", B] = s if round_ <= 1 else min(seconds["draft", B], s)
+            for k in ks:
+                s = draft(max(block_max, 2), k)
+                seconds["drafts", k] = s if round_ <= 1 else min(seconds["drafts", k], s)
     drafts = list(itertools.accumulate((seconds["draft", B] for B in draft_sizes), max))
     draft_s = [float(s) for s in np.interp(np.arange(2, max(block_max, 2) + 1), draft_sizes, drafts)]
-    return BatchedCostModel(grid(ks, ns, seconds, batch_max, block_max), draft_s)
+    one = seconds["drafts", 1]
+    together = list(itertools.accumulate((max(1.0, seconds["drafts", k] / one) for k in ks), max))
+    draft_batch = [float(x) for x in np.interp(np.arange(1, batch_max + 1), ks, together)]
+    return BatchedCostModel(grid(ks, ns, seconds, batch_max, block_max), draft_s, draft_batch)
 
 
 def could_pay(costs: BatchedCostModel, block_max: int) -> bool:

@@ -26,12 +26,14 @@ class BatchedCostModel:
     Args:
         forward_s: `forward_s[k - 1][n - 1]` is a target forward over n tokens for each of k requests, with the
             rollback of each request's rows after it (n = 1: a plain batched step).
-        draft_s: `draft_s[B - 2]` is one drafter pass for a block of B; drafter passes run one request at a time,
-            so j requests drafting cost j of them.
+        draft_s: `draft_s[B - 2]` is one drafter pass for a block of B (one request).
+        draft_batch: `draft_batch[j - 1]` is one drafter pass over j requests' blocks (`propose_batch`), in passes
+            for one request; past the measured j, in proportion to j. None (a curve measured before): j passes.
     """
 
     forward_s: list[list[float]]
     draft_s: list[float]
+    draft_batch: list[float] | None = None
 
     @property
     def batch_max(self) -> int:
@@ -47,9 +49,19 @@ class BatchedCostModel:
         K = min(k, self.batch_max)
         return self.forward_s[K - 1][n - 1] * k / K
 
+    def drafting(self, n: int, j: int) -> float:
+        """Seconds of the drafter pass of j requests drafting blocks of n."""
+        if not j or n < 2:
+            return 0.0
+        if self.draft_batch is None:
+            return j * self.draft_s[n - 2]
+        J = min(j, len(self.draft_batch))
+        return self.draft_s[n - 2] * self.draft_batch[J - 1] * j / J
+
     def step(self, k: int, n: int, drafting: int) -> float:
-        """Seconds of a batched step: the forward over n tokens for k requests and `drafting` drafter passes."""
-        return self.forward(k, n) + (drafting * self.draft_s[n - 2] if drafting and n > 1 else 0.0)
+        """Seconds of a batched step: the forward over n tokens for k requests and the drafter pass of `drafting`
+        of them."""
+        return self.forward(k, n) + self.drafting(n, drafting)
 
 
 def plan(
@@ -128,7 +140,7 @@ def grid(ks: list[int], ns: list[int], seconds: dict, batch_max: int, block_max:
 
 def batched_cost_key(target, drafter, block_max: int, batch_max: int) -> str:
     """The cache key of a batched cost model: the single-request curve's key, marked batched, with its batch."""
-    return f"batched k<={batch_max} | {cost_key(target, drafter, block_max)}"
+    return f"batched k<={batch_max}, drafter passes batched | {cost_key(target, drafter, block_max)}"
 
 
 def read_batched_costs(path: str) -> BatchedCostModel:

@@ -63,29 +63,18 @@ class Attention(nn.Module):
         return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
     def __call__(
-        self, x: mx.array, ctx: mx.array, cache: KVCache | None, training: TrainingBlocks | None = None
+        self, x: mx.array, ctx, cache: KVCache | list[KVCache] | None, training: TrainingBlocks | None = None
     ) -> mx.array:
         """x: block rows [N, B, D]. Decoding (`cache`): ctx holds the context rows committed since the last
-        call ([1, S, D]); they join the cache and the block starts right after them. Training (`training`):
-        ctx holds whole sequences ([S, L, D]) and the blocks sit as `training` says."""
+        call ([1, S, D]); they join the cache and the block starts right after them. Decoding N requests' blocks
+        at once: ctx and cache are lists, request n's context rows and cache. Training (`training`): ctx holds
+        whole sequences ([S, L, D]) and the blocks sit as `training` says."""
         N, L, _ = x.shape
         if training is not None:
             return self._training_blocks(x, ctx, training.anchors)
-        start = cache.offset  # position of the first new context row
-        block_pos = start + ctx.shape[1]  # position of the anchor
-        if ctx.shape[1] > 0:
-            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
-            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
-            ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
-        elif cache.keys is not None:  # no new rows: the cached ones (the buffer may run past them)
-            ctx_k, ctx_v = cache.keys[:, :, :start], cache.values[:, :, :start]
-        else:
-            ctx_k = ctx_v = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), x.dtype)
-        if self.sliding_window is not None:
-            # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
-            # window-1 context rows matter, so older ones never enter the attention.
-            keep = self.sliding_window - 1
-            ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
+        if isinstance(cache, list):
+            return self._decode_batch(x, ctx, cache)
+        ctx_k, ctx_v, block_pos = self._context(ctx, cache)
         q, k, v = self._block_qkv(x, block_pos)
         keys = mx.concatenate([ctx_k, k], axis=2)
         values = mx.concatenate([ctx_v, v], axis=2)
@@ -97,6 +86,49 @@ class Attention(nn.Module):
             mask = mx.concatenate([ctx_visible, self._block_visible(L, rows)], axis=-1)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
+
+    def _decode_batch(self, x: mx.array, ctxs: list[mx.array], caches: list[KVCache]) -> mx.array:
+        """N requests' blocks [N, B, D] in one pass: each block attends to its own request's context (the
+        contexts, of different lengths, left-padded and masked) and to itself, at its own positions."""
+        N, L, _ = x.shape
+        parts = [self._context(ctx, cache) for ctx, cache in zip(ctxs, caches)]
+        q, k, v = self._block_qkv(x, mx.array([block_pos for _, _, block_pos in parts]))
+        P, rows = max(ctx_k.shape[2] for ctx_k, _, _ in parts), mx.arange(L)[:, None]
+        ctx_keys, ctx_values, masks = [], [], []
+        for ctx_k, ctx_v, block_pos in parts:
+            n = ctx_k.shape[2]
+            pad = [(0, 0), (0, 0), (P - n, 0), (0, 0)]
+            ctx_keys.append(mx.pad(ctx_k, pad))
+            ctx_values.append(mx.pad(ctx_v, pad))
+            visible = self._context_visible(block_pos - n + mx.arange(n), block_pos, rows)
+            masks.append(mx.concatenate([mx.zeros((L, P - n), mx.bool_), mx.broadcast_to(visible, (L, n))], -1))
+        mask = mx.concatenate(
+            [mx.stack(masks)[:, None], mx.broadcast_to(self._block_visible(L, rows), (N, 1, L, L))], axis=-1
+        )
+        keys = mx.concatenate([mx.concatenate(ctx_keys), k], axis=2)
+        values = mx.concatenate([mx.concatenate(ctx_values), v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
+
+    def _context(self, ctx: mx.array, cache: KVCache) -> tuple[mx.array, mx.array, int]:
+        """A request's context keys and values [1, Hkv, P, d] (its new rows `ctx` [1, S, D] put into its
+        `cache` first), and the position of its block's anchor."""
+        start = cache.offset  # position of the first new context row
+        block_pos = start + ctx.shape[1]  # position of the anchor
+        if ctx.shape[1] > 0:
+            ctx_k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset=start)
+            ctx_v = self._heads(self.v_proj(ctx), self.n_kv_heads)
+            ctx_k, ctx_v = cache.update_and_fetch(ctx_k, ctx_v)
+        elif cache.keys is not None:  # no new rows: the cached ones (the buffer may run past them)
+            ctx_k, ctx_v = cache.keys[:, :, :start], cache.values[:, :, :start]
+        else:
+            ctx_k = ctx_v = mx.zeros((1, self.n_kv_heads, 0, self.head_dim), ctx.dtype)
+        if self.sliding_window is not None:
+            # Row j of the block (position P+j) sees context key k iff P+j-k < window: at most the last
+            # window-1 context rows matter, so older ones never enter the attention.
+            keep = self.sliding_window - 1
+            ctx_k, ctx_v = ctx_k[:, :, -keep:], ctx_v[:, :, -keep:]
+        return ctx_k, ctx_v, block_pos
 
     def _block_qkv(self, x: mx.array, block_pos) -> tuple[mx.array, mx.array, mx.array]:
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=block_pos)
@@ -348,6 +380,20 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, ctx, c, training)
         return self.norm(h)
 
+    def hidden_batch(self, blocks: mx.array, contexts: list[mx.array], caches: list[list[KVCache]]) -> mx.array:
+        """`hidden` of N requests' blocks in one pass: blocks [N, B]; contexts[n] and caches[n] request n's, as
+        `hidden` takes them (contexts of any lengths). Each layer's weights are read once for all N."""
+        if self._target is None:
+            raise RuntimeError("drafter is not bound to a target: call bind() (load() does it)")
+        dtype = self.norm.weight.dtype
+        h = (self._target.embed(blocks) * self._target.embed_scale).astype(dtype)
+        ctxs = [
+            self.hidden_norm(c.astype(dtype) if self.context_projected else self.fc(c.astype(dtype))) for c in contexts
+        ]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctxs, [cache[i] for cache in caches])
+        return self.norm(h)
+
     def logits(self, hidden: mx.array, head_rows: mx.array | None = None) -> mx.array:
         """Draft logits over the whole vocabulary, or over the tokens whose LM-head rows are `head_rows`
         [n, D] (training's reduced vocabulary)."""
@@ -401,6 +447,25 @@ class DFlashDraftModel(nn.Module):
         hidden, logits = self.draft_rows(block, context, cache)
         confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).astype(mx.float32)
         return self.choose(hidden, logits, block[0, 0], params, walk)._replace(confidence=confidence)
+
+    def propose_batch(
+        self,
+        blocks: mx.array,
+        contexts: list[mx.array],
+        caches: list[list[KVCache]],
+        params: list[SamplingParams],
+        walk: str = "greedy",
+    ) -> list[Proposal]:
+        """`propose` for N requests' blocks [N, B] in one drafter pass (`hidden_batch`), each block's drafts
+        chosen with its request's sampling settings `params[n]`."""
+        self.check_walk(walk)
+        hidden = self.hidden_batch(blocks, contexts, caches)[:, 1:]
+        logits = self.draft_logits(hidden)
+        confidence = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).astype(mx.float32)
+        return [
+            self.choose(hidden[n], logits[n], blocks[n, 0], p, walk)._replace(confidence=confidence[n])
+            for n, p in enumerate(params)
+        ]
 
     def choose(
         self, hidden: mx.array, logits: mx.array, anchor: mx.array, params: SamplingParams, walk: str = "greedy"

@@ -81,6 +81,21 @@ def test_past_the_measured_batch_the_forward_scales_with_the_requests():
     assert MAC.step(4, 1, 0) == MAC.forward(4, 1)
 
 
+def test_a_measured_batched_drafter_pass_prices_the_drafting_requests_together():
+    """Without a measured batched pass, j requests drafting cost j passes; with one, what it says (past the
+    measured batch, in proportion to j)."""
+    together = BatchedCostModel(MAC.forward_s, MAC.draft_s, [1.0, 1.2, 1.5])
+    assert MAC.drafting(4, 3) == pytest.approx(3 * MAC.draft_s[2]) and MAC.drafting(1, 3) == 0.0
+    assert together.drafting(4, 1) == pytest.approx(MAC.draft_s[2])
+    assert together.drafting(4, 2) == pytest.approx(1.2 * MAC.draft_s[2])
+    assert together.drafting(4, 6) == pytest.approx(1.5 * 2 * MAC.draft_s[2])
+    assert together.step(4, 4, 2) == pytest.approx(MAC.forward(4, 4) + 1.2 * MAC.draft_s[2])
+    # priced together, more requests draft on a curve where one pass each kept some of them plain
+    acceptances = [[0.6] * 5] * 8
+    blocks = [plan(costs, acceptances, [100] * 8, [True] * 8, 6)[0] for costs in (MAC, together)]
+    assert sum(B > 1 for B in blocks[1]) > sum(B > 1 for B in blocks[0])
+
+
 def test_points_timed():
     assert batch_points(8) == [1, 2, 4, 8] and batch_points(6) == [1, 2, 4, 6] and batch_points(1) == [1]
     assert block_points(16) == [1, 2, 3, 4, 8, 12, 16] and block_points(6) == [1, 2, 3, 4, 6]
@@ -94,6 +109,8 @@ def test_measured_on_a_tiny_target_and_cached(tmp_path, monkeypatch):
     assert len(costs.forward_s) == 3 and all(len(row) == 4 for row in costs.forward_s)
     assert all(a <= b for row in costs.forward_s for a, b in zip(row, row[1:]))  # never cheaper with more tokens
     assert len(costs.draft_s) == 3 and all(s > 0 for s in costs.draft_s)
+    batch = costs.draft_batch  # one pass over k requests' blocks, in passes for one: never below 1, never falling
+    assert len(batch) == 3 and batch[0] == 1.0 and all(a <= b for a, b in zip(batch, batch[1:]))
     monkeypatch.setenv("DFLASH2_COSTS", str(tmp_path / "costs.json"))
     monkeypatch.setattr(batched, "measure_batched_costs", lambda *a, **k: costs)
     assert load_or_measure_batched_costs(target, drafter, 4, 3) == costs

@@ -129,6 +129,38 @@ def test_a_real_drafter_and_copy_drafts_in_one_batch(model):
     assert lookups and not any(s.branch == "lookup" for i in (0, 2, 4) for s in steps[i])
 
 
+def test_a_shared_drafter_drafts_for_every_request_in_one_pass(model, monkeypatch):
+    """Requests sharing a drafter draft in one pass per step (`propose_batch`), and each gets the drafts it gets
+    from a drafter of its own (the same weights, one pass per request): the batched pass takes each request's own
+    context and cache."""
+
+    def drafts(shared: bool) -> tuple[list, int]:
+        drafters = [make_dflash2_drafter(model, block_size=6) for _ in PROMPTS[:4]]
+        if shared:
+            drafters = drafters[:1] * 4
+        real, calls = drafters[0].propose_batch, []
+        monkeypatch.setattr(
+            type(drafters[0]), "propose_batch", lambda self, *a, **kw: calls.append(1) or real(*a, **kw)
+        )
+        seen, real_propose = [], BatchedDecoder._propose
+
+        def recorded(self, blocks):
+            proposals, lookups = real_propose(self, blocks)
+            seen.append([None if p is None else p.tokens.tolist() for p in proposals])
+            return proposals, lookups
+
+        monkeypatch.setattr(BatchedDecoder, "_propose", recorded)
+        requests = [(p, {"drafter": d}) for p, d in zip(PROMPTS[:4], drafters)]
+        got, _, _ = run_batch(bind_drafter(drafters[0], model), requests, n=16, blocks=4)
+        for i, (prompt, _) in enumerate(requests):
+            assert got[i] == alone(model, prompt, 16), f"request {i}"
+        monkeypatch.undo()
+        return seen, len(calls)
+
+    (together, passes), (apart, none) = drafts(True), drafts(False)
+    assert together == apart and passes > 0 and none == 0
+
+
 def test_max_tokens_keeps_the_drafts_within_reach(model):
     """No draft past max_tokens is verified (the bonus after the last one may be: the caller cuts it)."""
     target, requests = oracle_requests(model, PROMPTS[:2])

@@ -274,3 +274,35 @@ def test_each_architecture_is_its_own_class():
     with pytest.raises(ValueError, match="needs a DFlash 2 drafter"):
         v1.check_walk("viterbi")
     v2.check_walk("viterbi")
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, DFLASH2, {**DFLASH2, "sliding_window": 6}, {"is_causal": True}],
+    ids=["v1", "dflash2", "sliding", "causal"],
+)
+def test_one_pass_over_several_requests_drafts_as_a_pass_each(kw):
+    """Three requests whose contexts differ in length (one with no new rows), over two passes each: one batched
+    pass gives every request the hidden rows, drafts and confidences its own pass gives, and leaves its cache as
+    its own pass does."""
+    from dflash2_mlx.sampling import SamplingParams
+
+    model = make_target("qwen3", seed=4)
+    drafter = make_drafter(model, seed=3, block_size=8, **kw)
+    features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    rng = np.random.default_rng(0)
+    alone, together = [drafter.make_cache() for _ in range(3)], [drafter.make_cache() for _ in range(3)]
+    for lengths, anchors in (((5, 12, 1), (7, 8, 9)), ((3, 0, 9), (20, 21, 22))):
+        contexts = [mx.array(rng.normal(size=(1, n, features)).astype(np.float32)) for n in lengths]
+        blocks = mx.concatenate([drafter.input_block(mx.array(a, mx.uint32), 8) for a in anchors])
+        want = [drafter.propose(blocks[i : i + 1], contexts[i], alone[i], SamplingParams()) for i in range(3)]
+        got = drafter.propose_batch(blocks, contexts, together, [SamplingParams()] * 3)
+        for w, g in zip(want, got):
+            assert g.tokens.tolist() == w.tokens.tolist()
+            np.testing.assert_allclose(np.array(g.confidence), np.array(w.confidence), rtol=1e-4, atol=1e-5)
+        for a, t in zip(alone, together):
+            assert [c.offset for c in a] == [c.offset for c in t]
+    hidden = drafter.hidden_batch(blocks, [contexts[0][:, :0]] * 3, together)
+    for i in range(3):
+        want = drafter.hidden(blocks[i : i + 1], contexts[0][:, :0], alone[i])
+        np.testing.assert_allclose(np.array(hidden[i]), np.array(want[0]), rtol=1e-4, atol=1e-4)

@@ -202,6 +202,7 @@ def test_compare_runs_every_server_and_writes_the_report(tiny_pair, tiny_dflash2
     assert load_test.main(argv) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     on, off, theirs = "dflash2 serve (batched on)", "dflash2 serve (batched off)", "mlx_lm.server"
+    assert report["context"]["version"] and "commit" in report["context"]
     assert list(report["servers"]) == [on, off, theirs]
     for name, rows in report["servers"].items():
         assert list(rows) == ["1", "2"]
