@@ -51,15 +51,19 @@ def folders(request, tiny_pair, tiny_dflash2, tmp_path_factory):
     return target, save_drafter(root / "drafter", make_dflash2_drafter(model, block_size=16, mask_token_id=5))
 
 
-def concurrent_clients(app, port, monkeypatch, n: int = 8, extra: dict | None = None) -> tuple[list, dict, dict]:
+def concurrent_clients(
+    app, port, monkeypatch, n: int = 8, extra: dict | None = None, sampling: dict | None = None
+) -> tuple[list, dict, dict]:
     """n openai clients at once (every other one streaming), T = 0: the first request is held after its first
     token until the others are queued, then moves into the batch with them. Returns (replies as (text, completion
-    tokens, finish reason, batch size), /health, /metrics). `extra`: fields every client sends beside OpenAI's."""
+    tokens, finish reason, batch size), /health, /metrics). `extra`: fields every client sends beside OpenAI's;
+    `sampling`: OpenAI's sampling fields instead of T = 0."""
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
     results = [None] * n
 
     def one(i):
-        kw = {"model": "default_model", "messages": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0}
+        kw = {"model": "default_model", "messages": PROMPTS[i], "max_tokens": MAX_TOKENS}
+        kw.update(sampling or {"temperature": 0})
         if extra:
             kw["extra_body"] = extra
         try:
@@ -188,6 +192,28 @@ def test_requests_it_cannot_honour_yet_decode_in_mlx_lms_batch(tiny_pair, tiny_d
     assert [r[:3] for r in results] == want
     batch = health["batch"]
     assert batch["speculative"] and batch["batched_cycles"] == 0 and batch["max_size"] == 8
+
+
+def test_sampling_settings_reach_each_request_in_the_speculative_batch(tiny_pair, tiny_dflash2, monkeypatch):
+    """At T > 0 the requests draft and verify together, each with its own temperature, top-p, top-k and min-p as
+    the decoder takes them (whose draws inside a batch follow mlx-lm's law: `test_batched_decode.py`)."""
+    batched_decide_on(monkeypatch, flat_batched_costs)
+    added, real = [], batched.BatchedDecoder.add
+
+    def add(self, prompt, params, *args, **kwargs):
+        added.append(params)
+        return real(self, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(batched.BatchedDecoder, "add", add)
+    sampling = {"temperature": 0.7, "top_p": 0.9}
+    extra = {"top_k": 5, "min_p": 0.05}
+    with running(tiny_pair[0], tiny_dflash2) as (app, port):
+        results, health, _ = concurrent_clients(app, port, monkeypatch, extra=extra, sampling=sampling)
+    assert all(r[0] != "error" and 1 <= r[1] <= MAX_TOKENS for r in results), results
+    assert len(added) == 8 and all((p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 0.9, 5, 0.05) for p in added), (
+        added
+    )
+    assert health["batch"]["batched_cycles"] > 0  # drafts verified by the rejection rule inside the batch
 
 
 class Rotated:
