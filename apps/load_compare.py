@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from dflash2_apps.bench_report import report_context
-from dflash2_apps.load_test import chat_turn, level_summary, run_clients
+from dflash2_apps.load_clients import chat_turn, level_summary, run_clients
 from dflash2_apps.openblas import openblas_library
 from dflash2_apps.peer_engines import target_folder
 from dflash2_mlx.assets import default_drafter, default_target
