@@ -168,6 +168,7 @@ def test_the_decoder_steps_as_the_curve_says(costs):
         assert decoder.batched_cycles == 0 and decoder.plain_steps > 0 and rate == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafting", [True, False], ids=["cycles", "plain"])
 def test_the_batched_replay_decides_and_times_as_the_decoder(drafting):
     """Four requests, three at a time, on the Mac-like curve: the replay of their recorded answers takes the

@@ -26,6 +26,7 @@ from helpers import (
     running,
     save_drafter,
     save_target,
+    slow_except,
     user,
     wait_for,
 )
@@ -163,7 +164,7 @@ def test_a_cpu_like_curve_runs_no_batched_cycle(tiny_pair, tiny_dflash2, monkeyp
     assert metrics["dflash2_batched_cycles_total"] == 0
 
 
-@pytest.mark.parametrize("policy", ["on", "off"])
+@pytest.mark.parametrize("policy", slow_except(["on", "off"], "on"))
 def test_batched_speculation_on_or_off_as_asked(tiny_pair, tiny_dflash2, monkeypatch, policy):
     """`--batched-speculation on` runs the speculative batch on a curve where no cycle pays (its plan then takes
     plain steps); `off` keeps mlx-lm's batch on one where cycles pay. The answers are each prompt's alone."""
