@@ -311,6 +311,15 @@ def save_target(folder: Path, arch: str = "qwen3", seed: int = 0) -> Path:
     return folder
 
 
+def save_model(folder: Path, model, config: dict) -> Path:
+    """An mlx-lm model folder of any model (`make_hybrid`'s: its `args_config`) with the test tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    save_tokenizer(folder)
+    return folder
+
+
 def save_drafter(folder: Path, drafter: DFlashDraftModel, prefix: str = "") -> Path:
     """In the published (Hugging Face) layout: DFlash 2 codebooks without `.weight`."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -27,12 +27,11 @@ from helpers import (
     make_target,
     ring_ports,
     save_drafter,
+    save_model,
     save_target,
-    save_tokenizer,
     start_ring,
     target_config,
 )
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
@@ -153,10 +152,7 @@ def write_index(folder: Path) -> Path:
 def save_indexed(folder: Path, model, config: dict) -> Path:
     """An mlx-lm model folder with the weight index `sharded_load` reads for pipelines."""
     folder.mkdir(parents=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
-    save_tokenizer(folder)
-    return write_index(folder)
+    return write_index(save_model(folder, model, config))
 
 
 def build_folders(root: Path) -> dict:

@@ -20,11 +20,13 @@ from helpers import (
     flat_batched_costs,
     held_first,
     make_dflash2_drafter,
+    make_hybrid,
     make_target,
     parse_metrics,
     request,
     running,
     save_drafter,
+    save_model,
     save_target,
     slow_except,
     user,
@@ -215,6 +217,24 @@ def test_sampling_settings_reach_each_request_in_the_speculative_batch(tiny_pair
         added
     )
     assert health["batch"]["batched_cycles"] > 0  # drafts verified by the rejection rule inside the batch
+
+
+def test_a_hybrid_target_answers_each_request_as_alone(tmp_path, monkeypatch):
+    """A hybrid target (GatedDeltaNet layers, whose state cannot yet be rolled back per request in a batch) on a
+    curve where cycles would pay: its batches stay mlx-lm's, /health says why, and each of the 8 concurrent
+    requests gets its answer alone."""
+    hybrid = make_hybrid("qwen3_5", seed=2)
+    target = save_model(tmp_path / "hybrid", hybrid, hybrid.args_config)
+    model, _ = load_model(target)
+    drafter = save_drafter(tmp_path / "drafter", make_dflash2_drafter(model, block_size=16, mask_token_id=5))
+    batched_decide_on(monkeypatch, flat_batched_costs)
+    with running(target, drafter) as (app, port):
+        want = alone(app)
+        results, health, _ = concurrent_clients(app, port, monkeypatch)
+    assert [r[:3] for r in results] == want
+    assert all(r[3] >= 2 for r in results), results  # each was decoded in a batch
+    batch = health["batch"]
+    assert not batch["speculative"] and "recurrent layers" in batch["reason"] and batch["max_size"] == 8
 
 
 class Rotated:
