@@ -238,14 +238,22 @@ class BatchedDecoder:
 
     def choose_blocks(self) -> dict[int, int]:
         """Each request's block for the next step: `block_max` for every request (no costs), else the measured
-        batched curve's choice by expected tokens per second over the batch (`batched_costs.plan`)."""
+        batched curve's choice by expected tokens per second over the batch (`batched_costs.plan`), a request whose
+        lookup proposes a continuation priced by its lookups' acceptance and no drafter pass."""
         lefts = [_left(r) for r in self.requests]
         if self.costs is None:
             return {r.uid: max(1, min(self.block_max, left)) for r, left in zip(self.requests, lefts)}
-        drafting = [r.drafter is not None for r in self.requests]
-        blocks, rate, plain = plan(
-            self.costs, [r.estimates.estimates() for r in self.requests], lefts, drafting, self.block_max
-        )
+        acceptances, drafting, lookups = [], [], []
+        for i, r in enumerate(self.requests):
+            match = None if r.spec is None else r.spec.propose(min(self.block_max, lefts[i]) - 1)
+            if match is not None and len(match.tokens):  # the step verifies the lookup's drafts (`_propose`)
+                acceptances.append(r.spec.acceptance(match))
+                lefts[i] = min(lefts[i], len(match.tokens) + 1)
+            else:
+                acceptances.append(r.estimates.estimates())
+            drafting.append(match is not None or r.drafter is not None)
+            lookups.append(match is not None)
+        blocks, rate, plain = plan(self.costs, acceptances, lefts, drafting, self.block_max, lookups)
         self.last_plan = (rate, plain)
         return {r.uid: B for r, B in zip(self.requests, blocks)}
 

@@ -70,41 +70,47 @@ def plan(
     lefts: Sequence[int],
     drafting: Sequence[bool],
     block_max: int,
+    lookups: Sequence[bool] | None = None,
 ) -> tuple[list[int], float, float]:
     """Each request's block for the next batched step, by expected tokens per second over the batch.
 
     A step's forward is padded to its longest block n, so a request that drafts verifies n (or what it has
-    left); a request drafts where its expected extra tokens pay for its drafter pass. Every n and every count of
-    the requests with the most to gain is priced; a plain step (every block 1) wins ties.
+    left); a request drafts where its expected extra tokens pay for its share of the drafter pass, and one whose
+    drafts come from a lookup (no drafter pass) wherever it verifies a block at all. Every n and every count of
+    the drafter's requests with the most to gain is priced; a plain step (every block 1) wins ties.
 
     Args:
         costs: the measured batched costs.
         acceptances: per request, P(draft i accepted | drafts before it accepted), by position.
-        lefts: per request, the largest block it may verify.
-        drafting: per request, whether it has a drafter.
+        lefts: per request, the largest block it may verify (a lookup's: its drafts and the anchor).
+        drafting: per request, whether it has drafts to verify (a drafter or a lookup's).
         block_max: the largest block.
+        lookups: per request, whether its drafts come from a lookup (default: none do).
 
     Returns:
         (each request's block, the step's expected tokens per second, a plain step's).
     """
     k = len(acceptances)
+    lookups = lookups or [False] * k
     plain = k / costs.forward(k, 1)
     best, best_rate = [1] * k, plain
     for n in range(2, min(block_max, costs.block_max) + 1):
-        gains = sorted(
-            (
-                (expected_tokens(acc, min(n, left)) - 1.0, i)
-                for i, (acc, left, d) in enumerate(zip(acceptances, lefts, drafting))
-                if d and left > 1
-            ),
-            reverse=True,
-        )
-        tokens = float(k)
-        for j, (gain, i) in enumerate(gains, 1):
-            tokens += gain
+        gains = [
+            (expected_tokens(acc, min(n, left)) - 1.0, i)
+            for i, (acc, left, d) in enumerate(zip(acceptances, lefts, drafting))
+            if d and left > 1
+        ]
+        free = {i for _, i in gains if lookups[i]}
+        paid = sorted(((g, i) for g, i in gains if i not in free), reverse=True)
+        tokens = k + sum(g for g, i in gains if i in free)
+        for j in range(len(paid) + 1):
+            if j:
+                tokens += paid[j - 1][0]
+            if not j and not free:
+                continue
             rate = tokens / costs.step(k, n, j)
             if rate > best_rate:
-                chosen = {i for _, i in gains[:j]}
+                chosen = free | {i for _, i in paid[:j]}
                 best = [min(n, lefts[r]) if r in chosen else 1 for r in range(k)]
                 best_rate = rate
     return best, best_rate, plain

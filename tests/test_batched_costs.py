@@ -36,18 +36,20 @@ MAC = curve(0.020, 0.0004, 0.001, 0.004)
 CPU = curve(0.020, 0.018, 0.015, 0.010)
 
 
-def brute_force(costs, acceptances, lefts, drafting, block_max):
-    """The best expected tokens per second over every assignment of blocks (1 for requests without a drafter)."""
+def brute_force(costs, acceptances, lefts, drafting, block_max, lookups=None):
+    """The best expected tokens per second over every assignment of blocks (1 for requests without drafts; a
+    lookup's drafts need no drafter pass)."""
     k, best = len(acceptances), 0.0
+    lookups = lookups or [False] * k
     choices = [range(1, min(block_max, left) + 1) if d else [1] for left, d in zip(lefts, drafting)]
     for blocks in itertools.product(*choices):
-        n, j = max(blocks), sum(B > 1 for B in blocks)
+        n, j = max(blocks), sum(B > 1 and not lk for B, lk in zip(blocks, lookups))
         tokens = sum(expected_tokens(a, B) for a, B in zip(acceptances, blocks))
         best = max(best, tokens / costs.step(k, n, j))
     return best
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("costs", [MAC, CPU, curve(0.02, 0.004, 0.002, 0.006)], ids=["mac", "cpu", "between"])
 def test_the_plan_is_the_best_assignment(costs, seed):
     rng = random.Random(seed)
@@ -55,12 +57,13 @@ def test_the_plan_is_the_best_assignment(costs, seed):
     acceptances = [[rng.random() ** 0.5 for _ in range(5)] for _ in range(k)]
     lefts = [rng.choice([1, 2, 3, 100]) for _ in range(k)]
     drafting = [rng.random() < 0.8 for _ in range(k)]
-    blocks, rate, plain = plan(costs, acceptances, lefts, drafting, 6)
-    n, j = max(blocks), sum(B > 1 for B in blocks)
+    lookups = [d and rng.random() < 0.4 for d in drafting]  # drafts from a lookup: no drafter pass
+    blocks, rate, plain = plan(costs, acceptances, lefts, drafting, 6, lookups)
+    n, j = max(blocks), sum(B > 1 and not lk for B, lk in zip(blocks, lookups))
     assert rate == pytest.approx(
         sum(expected_tokens(a, B) for a, B in zip(acceptances, blocks)) / costs.step(k, n, j), rel=1e-12
     )
-    assert rate == pytest.approx(brute_force(costs, acceptances, lefts, drafting, 6), rel=1e-9)
+    assert rate == pytest.approx(brute_force(costs, acceptances, lefts, drafting, 6, lookups), rel=1e-9)
     assert plain == pytest.approx(k / costs.forward(k, 1))
     assert all(B == 1 or d and B <= left for B, left, d in zip(blocks, lefts, drafting))
 
@@ -73,6 +76,17 @@ def test_cycles_where_the_curve_pays_plain_steps_where_it_does_not():
     # on the Mac-like curve one request that drafts well verifies its block beside the others' plain steps
     blocks = plan(MAC, [good, bad, bad, bad], [100] * 4, [True] * 4, 6)[0]
     assert blocks[0] > 1 and blocks[1:] == [1, 1, 1]
+
+
+def test_a_lookup_that_accepts_pays_where_a_drafter_pass_would_not():
+    """Copy drafts cost no drafter pass: on a curve where a drafter's cycle does not pay, four requests whose
+    lookups accept verify their blocks, and the plan prices them without a pass."""
+    sure = [0.95] * 5
+    costly = BatchedCostModel(MAC.forward_s, [0.2] * 5)  # a drafter pass worth ten plain batched steps
+    assert plan(costly, [sure] * 4, [100] * 4, [True] * 4, 6)[0] == [1] * 4
+    blocks, rate, plain = plan(costly, [sure] * 4, [100] * 4, [True] * 4, 6, [True] * 4)
+    assert blocks == [6] * 4 and rate == pytest.approx(4 * expected_tokens(sure, 6) / costly.forward(4, 6))
+    assert rate > plain
 
 
 def test_past_the_measured_batch_the_forward_scales_with_the_requests():

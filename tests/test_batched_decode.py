@@ -161,6 +161,25 @@ def test_a_shared_drafter_drafts_for_every_request_in_one_pass(model, monkeypatc
     assert together == apart and passes > 0 and none == 0
 
 
+def test_copy_drafts_run_cycles_where_drafter_passes_do_not_pay(model):
+    """A curve with a costly drafter pass and a forward that grows 5% a token: the drafter's cycles do not pay,
+    the lookups' do (no pass), so every block verified is a copy draft."""
+    from dflash2_mlx.batched_costs import BatchedCostModel
+
+    costs = BatchedCostModel([[0.1 * k * (1 + 0.05 * (n - 1)) for n in range(1, 7)] for k in range(1, 9)], [0.5] * 5)
+    drafter = make_dflash2_drafter(model, block_size=6)
+    drafter.acceptance_prior = [0.3] * 5
+    target = bind_drafter(drafter, model)
+    copy = {"copyspec": LookupConfig(min_match=2, max_draft=5)}
+    requests = [(p, {"drafter": drafter, **copy}) for p in PROMPTS]
+    got, steps, decoder = run_batch(target, requests, costs=costs, n=32)
+    for i, (prompt, _) in enumerate(requests):
+        assert got[i] == alone(model, prompt, 32), f"request {i}"
+    verified = [s for i in range(len(PROMPTS)) for s in steps[i] if s.block_size > 1]
+    assert decoder.batched_cycles > 0 and any(s.accepted for s in verified)
+    assert all(s.branch == "lookup" for s in verified)  # no drafter pass paid for
+
+
 def test_max_tokens_keeps_the_drafts_within_reach(model):
     """No draft past max_tokens is verified (the bonus after the last one may be: the caller cuts it)."""
     target, requests = oracle_requests(model, PROMPTS[:2])
