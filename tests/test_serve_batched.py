@@ -149,6 +149,10 @@ def test_batched_cycles_answer_as_each_request_alone(folders, monkeypatch):
     assert batch["batched_accepted_tokens"] > 0  # requests kept different numbers of rows in some cycles
     assert metrics["dflash2_batched_cycles_total"] == batch["batched_cycles"]
     assert metrics["dflash2_batched_accepted_tokens_total"] == batch["batched_accepted_tokens"]
+    # the batch's throughput: the tokens its steps committed (never more than the answers hold) over their time
+    tokens, seconds = metrics["dflash2_batched_tokens_total"], metrics["dflash2_batched_seconds_total"]
+    assert 0 < tokens <= sum(r[1] for r in results) and seconds > 0
+    assert batch["tokens_per_s"] == pytest.approx(tokens / seconds, rel=1e-2)
     assert metrics["dflash2_cycles_total"] >= batch["batched_cycles"]
 
 

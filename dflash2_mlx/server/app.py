@@ -221,6 +221,18 @@ class App:
         for name, (what, key) in batched.items():
             metric(name, "counter", what, [("", info[f"batched_{key}"])])
         metric(
+            "batched_tokens_total",
+            "counter",
+            "tokens committed by decode steps that served more than one request",
+            [("", worker.batched_tokens)],
+        )
+        metric(
+            "batched_seconds_total",
+            "counter",
+            "seconds those steps took (their rate over this one's: the batch's tokens per second)",
+            [("", round(worker.batched_seconds, 6))],
+        )
+        metric(
             "http_responses_total",
             "counter",
             "HTTP answers sent, by status code",

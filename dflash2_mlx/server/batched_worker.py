@@ -162,8 +162,10 @@ class BatchedWorker(Worker):
                 if not entries:
                     return None
                 cycles = decoder.batched_cycles
+                tic = time.perf_counter()
                 steps = decoder.step()
-                self._count_step(entries, list(steps))
+                committed = sum(len(step.tokens) for step in steps.values())
+                self._count_step(entries, list(steps), committed, time.perf_counter() - tic)
                 accepted = 0
                 for uid, step in steps.items():
                     accepted += step.accepted or 0

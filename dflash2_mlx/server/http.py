@@ -253,6 +253,10 @@ class Handler(BaseHTTPRequestHandler):
                     "size": worker.batch_size,
                     "max_size": worker.batch_size_max,
                     "batched_steps": worker.batched_steps,
+                    # tokens a second that steps serving more than one request committed, over all of them
+                    "tokens_per_s": round(worker.batched_tokens / worker.batched_seconds, 2)
+                    if worker.batched_seconds
+                    else None,
                     "decode_concurrency": worker.decode_concurrency,
                     **app.batch_speculation(),
                 },

@@ -180,6 +180,8 @@ class Worker:
         self.batch_size = 0  # requests in the batch's last decode step (0: none batched now)
         self.batch_size_max = 0  # the most requests one decode step has served
         self.batched_steps = 0  # decode steps that served more than one request
+        self.batched_tokens = 0  # tokens those steps committed
+        self.batched_seconds = 0.0  # and the time they took
         self.durations: deque = deque(maxlen=16)  # seconds of recent jobs, for Retry-After
         self.counts = dict.fromkeys(COUNTS, 0)  # running totals since the start (`COUNTS`), for /metrics
         self.idle, self.closed = threading.Event(), False
@@ -398,8 +400,10 @@ class Worker:
                 )
                 if not entries:
                     return
+                tic = time.perf_counter()
                 _, responses = gen.next()
-                self._count_step(entries, [r.uid for r in responses])
+                uids = [r.uid for r in responses]
+                self._count_step(entries, uids, len(uids), time.perf_counter() - tic)
                 for r in responses:
                     e = entries[r.uid]
                     self._send(e.job, self._record(e, r.token, r.logprobs, r.finish_reason))
@@ -433,10 +437,12 @@ class Worker:
         finally:
             gen.close()
 
-    def _count_step(self, entries: dict, uids: list[int]) -> None:
-        """Count a batch step that served the requests `uids`."""
+    def _count_step(self, entries: dict, uids: list[int], tokens: int, seconds: float) -> None:
+        """Count a batch step that served the requests `uids`, committing `tokens` in `seconds`."""
         if len(uids) > 1:
             self.batched_steps += 1
+            self.batched_tokens += tokens
+            self.batched_seconds += seconds
             self.batch_size_max = max(self.batch_size_max, len(uids))
         self.batch_size = len(entries)
         for uid in uids:
