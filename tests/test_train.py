@@ -98,6 +98,19 @@ def test_a_folder_widens_to_later_turns_and_longer_prompts_but_never_narrows(tmp
             build(tmp_path / "d", narrower, model, tokenizer, progress=False)
 
 
+def test_a_run_logged_to_a_file_says_each_shard(tmp_path, tiny, monkeypatch, capsys):
+    """Where stderr is not a terminal (nohup, a log file) the progress bar draws nothing: a line per shard says
+    how far the run is."""
+    model, tokenizer = tiny
+    source = [(i + 1, f"c{i}", [{"role": "user", "content": f"w{i + 1}"}]) for i in range(5)]
+    monkeypatch.setattr(data, "sharegpt_turns", lambda: iter(source))
+    settings = DataSettings(target="tiny", num_prompts=5, max_new_tokens=2, batch_size=1)
+    build(tmp_path / "d", settings, model, tokenizer, progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("data: ")]
+    assert [line.split(",")[0] for line in lines] == ["data: 4/5 prompts", "data: 5/5 prompts"]
+    assert lines[-1].endswith("shard 00001 written")
+
+
 SETTINGS = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=8, batch_size=1)
 
 

@@ -11,6 +11,7 @@ asked before in the source is skipped (at T = 0 it has the same answer), so no h
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -207,6 +208,13 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
                 shard_index, answered, samples = shard_index + 1, answered + len(samples), []
                 seconds = time.perf_counter() - tic
                 bar.update(task, completed=answered, tps=generated / seconds)
+                if progress and not bar.console.is_terminal:  # a log: a line per shard instead of a bar
+                    print(
+                        f"data: {answered}/{len(pending)} prompts, {generated / seconds:.0f} tok/s, shard "
+                        f"{shard_index - 1:05d} written",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 meta["runs"][run:] = [_throughput(settings, answered, generated, seconds)]
                 meta_path.write_text(json.dumps(meta, indent=2))
     return out
