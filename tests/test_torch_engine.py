@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
 from dflash2_mlx.train.features import FeatureCache
-from dflash2_mlx.train.torch_engine import TorchTarget, cpu_has_fast_bf16, generate_greedy, supported
+from dflash2_mlx.train.torch_engine import TorchTarget, _by_length, cpu_has_fast_bf16, generate_greedy, supported
 
 torch = pytest.importorskip("torch")
 
@@ -157,3 +157,9 @@ def test_training_without_a_cache_takes_each_steps_features_from_the_engine(tmp_
     want = np.array(by_mlx.target.sequence_features(batch.tokens))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02 and np.abs(got - want).max() > 0
     assert np.isfinite(by_torch.train_step())
+
+
+def test_prompts_are_taken_shortest_first_within_each_window():
+    prompts = [[1] * n for n in (5, 2, 9, 1, 7, 3, 8)]
+    order = [i for i, _ in _by_length(iter(enumerate(prompts)), 3)]
+    assert order == [1, 0, 2, 3, 5, 4, 6]  # lengths (5, 2, 9) (1, 7, 3) (8), each window sorted
