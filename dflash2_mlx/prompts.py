@@ -110,10 +110,9 @@ def _sharegpt_objects() -> Iterator[tuple[int, dict]]:
 
 def sharegpt_conversations() -> Iterator[tuple[int, str, str]]:
     """(index, id, first human turn) of each whole ShareGPT conversation that opens with a human turn."""
-    for index, obj in _sharegpt_objects():
-        turns = obj.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield index, obj.get("id", str(index)), turns[0]["value"].strip()
+    for index, cid, messages in sharegpt_turns():
+        if len(messages) == 1:
+            yield index, cid, messages[0]["content"]
 
 
 ROLES = {"human": "user", "gpt": "assistant"}
