@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import make_target, slow_except
+from helpers import chi_square, make_target, mlx_lm_probabilities, slow_except
 from mlx_lm.generate import generate_step
 
+from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.data import DataSettings, build, pick_engine, read_shards
 from dflash2_mlx.train.features import FeatureCache
-from dflash2_mlx.train.torch_engine import TorchTarget, _by_length, cpu_has_fast_bf16, generate_greedy, supported
+from dflash2_mlx.train.torch_engine import TorchTarget, _by_length, cpu_has_fast_bf16, generate, supported
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +47,7 @@ def test_float32_responses_are_mlx_lms_greedy_ones(arch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, size=n).tolist() for n in (5, 17, 9, 30, 3)]
     eos = 7
-    got = dict(generate_greedy(model, prompts, 24, [eos], slots=2, max_prompt_tokens=32, dtype="float32"))
+    got = dict(generate(model, prompts, 24, [eos], slots=2, max_prompt_tokens=32, dtype="float32"))
     assert sorted(got) == list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
         assert got[i] == mlx_greedy(model, prompt, 24, eos), f"prompt {i}"
@@ -66,14 +69,47 @@ def test_float32_sequence_features_are_the_targets(arch):
     np.testing.assert_allclose(first[0], got[1, :9], rtol=1e-4, atol=1e-4)  # causal: later tokens change nothing
 
 
+def test_sampled_responses_follow_mlx_lms_sampler():
+    """At T > 0 (the prompts `dflash2 data` has the target write) the first token of each response, drawn when its
+    slot is filled, and the second, drawn in a batched step, follow mlx-lm's sampler at the same temperature and
+    top-p: chi-square over 600 responses against probabilities from the MLX model's own logits (float32)."""
+    model = make_target("llama", seed=5)
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    prompt, n = [3, 14, 15, 92, 65], 600
+    drawn = dict(
+        generate(
+            model,
+            [prompt] * n,
+            2,
+            [],
+            slots=64,
+            max_prompt_tokens=8,
+            dtype="float32",
+            temperature=0.7,
+            top_p=0.9,
+            seed=1,
+        )
+    )
+    assert len(drawn) == n
+    first = mlx_lm_probabilities(model(mx.array([prompt]))[:, -1], params)[0]
+    then = mlx_lm_probabilities(model(mx.array([prompt + [a] for a in range(len(first))]))[:, -1], params)
+    second = first @ then  # P(second = b) = sum over a of P(a) P(b | a)
+    for k, law in ((0, first), (1, second)):
+        stat, critical = chi_square(Counter(r[k] for r in drawn.values()), dict(enumerate(law)), n)
+        assert stat < critical, f"token {k + 1}: chi2 {stat:.1f} >= {critical:.1f}"
+    assert all(first[r[0]] > 0 for r in drawn.values()), "a token outside the nucleus"
+    greedy = dict(generate(model, [prompt] * 3, 2, [], slots=2, max_prompt_tokens=8, dtype="float32"))
+    assert all(r[0] == int(np.argmax(first)) for r in greedy.values())
+
+
 @pytest.mark.slow
 def test_bfloat16_responses_mostly_follow_float32():
     """bfloat16 matmuls change near-ties only: the first tokens of most responses agree with float32's."""
     model = make_target("llama", seed=6)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, size=12).tolist() for _ in range(8)]
-    exact = dict(generate_greedy(model, prompts, 8, [], slots=4, max_prompt_tokens=16, dtype="float32"))
-    fast = dict(generate_greedy(model, prompts, 8, [], slots=4, max_prompt_tokens=16))
+    exact = dict(generate(model, prompts, 8, [], slots=4, max_prompt_tokens=16, dtype="float32"))
+    fast = dict(generate(model, prompts, 8, [], slots=4, max_prompt_tokens=16))
     same_first = sum(exact[i][:2] == fast[i][:2] for i in range(8))
     assert same_first >= 6, (exact, fast)
 
@@ -85,7 +121,7 @@ def test_unsupported_targets_and_settings_are_refused(monkeypatch):
     nn.quantize(quantized, group_size=32, bits=4)
     assert not supported(quantized)  # packed weights are not PyTorch's
     with pytest.raises(ValueError, match="use --engine mlx"):
-        list(generate_greedy(make_target("qwen3"), [[1, 2]], 4, []))
+        list(generate(make_target("qwen3"), [[1, 2]], 4, []))
     with pytest.raises(ValueError, match="greedily"):
         pick_engine("torch", 0.7, make_target("llama"))
     with pytest.raises(ValueError, match="engine must be one of"):

@@ -41,7 +41,7 @@ def run(model, prompts, new_tokens, engine) -> tuple[float, dict]:
     torch_engine.TorchTarget = engine
     try:
         tic = time.perf_counter()
-        out = dict(torch_engine.generate_greedy(model, prompts, new_tokens, [], slots=64, max_prompt_tokens=512))
+        out = dict(torch_engine.generate(model, prompts, new_tokens, [], slots=64, max_prompt_tokens=512))
         return sum(len(r) for r in out.values()) / (time.perf_counter() - tic), out
     finally:
         torch_engine.TorchTarget = real
