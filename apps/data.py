@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -39,6 +40,14 @@ def add_parser(sub) -> None:
         help="which human turns are prompts: each conversation's first, or all of them (a later turn after the "
         "conversation before it); a folder may go from first to all",
     )
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=d.self_prompts,
+        metavar="N",
+        help="also answer N prompts per domain (code, math) that the target writes itself at T > 0, kept where "
+        "they read as that domain and are new (saved in OUT/self-prompts.json); may grow when resuming",
+    )
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temp", type=float, default=d.temperature, help="0 = greedy responses")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -69,6 +78,7 @@ def run(args) -> int:
         args.batch_size,
         args.engine,
         args.turns,
+        args.self_prompts,
     )
     out = build(args.out, settings)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
@@ -76,4 +86,6 @@ def run(args) -> int:
     held = sum(s.heldout for s in samples)
     tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     print(f"{out}: {len(samples) - held} training + {held} held-out samples, {tokens} response tokens", file=sys.stderr)
+    for domain, counts in json.loads((out / "data.json").read_text())["domains"].items():
+        print(f"  {domain}: {counts['train']} training + {counts['heldout']} held-out", file=sys.stderr)
     return 0

@@ -20,10 +20,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..domains import DOMAINS, prompt_domain
 from ..formats.shards import Sample, read_shards, write_shard
 from ..loading import load_target
+from ..loops import in_a_loop
 from ..prompts import HELDOUT_EVERY, is_heldout, sharegpt_turns
-from . import torch_engine
+from . import self_prompts, torch_engine
 
 
 def padded_tokens(samples: list[Sample], picked, length: int | None = None) -> np.ndarray:
@@ -60,6 +62,33 @@ def distinct_prompts(train: list[Sample], heldout: list[Sample]) -> list[Sample]
     return kept
 
 
+def domain_split(samples: list[Sample], tokenizer) -> dict[str, dict[str, int]]:
+    """What a data folder holds per domain (`domains.prompt_domain` of each decoded prompt, its context included):
+    training and held-out samples, their response tokens, and the answers in a repetition loop (`loops.in_a_loop`).
+
+    Args:
+        samples: the folder's samples (`read_shards`).
+        tokenizer: the target's tokenizer, which wrote the samples.
+
+    Returns:
+        {domain: {"train", "heldout", "train_tokens", "heldout_tokens", "train_in_a_loop", "heldout_in_a_loop"}}.
+    """
+    split = {
+        d: dict.fromkeys(
+            ("train", "heldout", "train_tokens", "heldout_tokens", "train_in_a_loop", "heldout_in_a_loop"), 0
+        )
+        for d in DOMAINS
+    }
+    for s in samples:
+        counts = split[prompt_domain(tokenizer.decode(s.tokens[: s.prompt_len].tolist()))]
+        part = "heldout" if s.heldout else "train"
+        response = s.tokens[s.prompt_len :].tolist()
+        counts[part] += 1
+        counts[f"{part}_tokens"] += len(response)
+        counts[f"{part}_in_a_loop"] += in_a_loop(response)
+    return split
+
+
 @dataclass
 class DataSettings:
     target: str
@@ -71,6 +100,7 @@ class DataSettings:
     batch_size: int = 16
     engine: str = "mlx"  # what decodes the responses: "mlx" or "torch" (see `pick_engine`)
     turns: str = "first"  # which human turns are prompts: "first", or "all" (later ones after their context)
+    self_prompts: int = 0  # prompts the target writes itself per domain of `self_prompts.WRITTEN`, answered too
 
 
 TURNS = ("first", "all")
@@ -109,13 +139,13 @@ def pick_engine(engine: str, temperature: float, model) -> str:
 # Settings that only say how much or how fast: a data folder may be grown (more prompts) or resumed with
 # another batch size. Every other setting defines what a sample is, and must match the folder's, except
 # where a new value only admits more prompts (WIDENS): the samples already written stay valid.
-GROWABLE = ("num_prompts", "batch_size")
+GROWABLE = ("num_prompts", "batch_size", "self_prompts")
 WIDENS = {
     "max_prompt_tokens": lambda there, here: here >= there,
     "turns": lambda there, here: there == here or (there, here) == ("first", "all"),
 }
 # Settings a folder written before they existed holds implicitly.
-IMPLICIT = {"engine": "mlx", "turns": "first"}
+IMPLICIT = {"engine": "mlx", "turns": "first", "self_prompts": 0}
 SHARD_BATCHES = 4
 
 
@@ -160,17 +190,22 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
             **asdict(settings),
             "batch_size": recorded["batch_size"],
             "num_prompts": max(recorded["num_prompts"], settings.num_prompts),
+            "self_prompts": max(recorded["self_prompts"], settings.self_prompts),
         }
     meta_path.write_text(json.dumps(meta, indent=2))
     written = read_shards(out)
     done = {s.id for s in written}
     shard_index = len(list(out.glob("shard-*.npz")))
+    wanted = meta["settings"]["self_prompts"]
+    written_prompts = self_prompts.write(
+        out, wanted, lambda asks, seed: _replies(model, tokenizer, asks, settings, seed), settings.seed
+    )
 
     def todo() -> Iterator[tuple[str, list[int], bool]]:
         taken, seen, too_long = 0, {prompt_key(s) for s in written}, None
         for index, cid, messages in sharegpt_turns():
             if taken >= settings.num_prompts:
-                return
+                break
             if len(messages) > 1 and (settings.turns == "first" or too_long == index):
                 continue  # a later turn, or one after a turn too long: its context holds that turn
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -184,6 +219,15 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
             taken += 1
             if cid not in done:
                 yield cid, ids, is_heldout(index)
+        for domain, texts in written_prompts.items():
+            for k, text in enumerate(texts[:wanted]):
+                cid = f"self-{domain}/{k}"
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                if len(ids) > settings.max_prompt_tokens or (tuple(ids) in seen and cid not in done):
+                    continue
+                seen.add(tuple(ids))
+                if cid not in done:
+                    yield cid, ids, is_heldout(k)
 
     pending = list(todo())
     decode = _torch_responses if settings.engine == "torch" else _mlx_responses
@@ -217,6 +261,8 @@ def build(out: str | Path, settings: DataSettings, model=None, tokenizer=None, p
                     )
                 meta["runs"][run:] = [_throughput(settings, answered, generated, seconds)]
                 meta_path.write_text(json.dumps(meta, indent=2))
+    meta["domains"] = domain_split(read_shards(out), tokenizer)
+    meta_path.write_text(json.dumps(meta, indent=2))
     return out
 
 
@@ -251,8 +297,8 @@ def _mlx_responses(model, tokenizer, pending, settings: DataSettings, shard_inde
 
 
 def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_index: int):
-    """(index into `pending`, response ids), greedy, by `torch_engine.generate_greedy` in finishing order."""
-    yield from torch_engine.generate_greedy(
+    """(index into `pending`, response ids), greedy, by `torch_engine.generate` in finishing order."""
+    yield from torch_engine.generate(
         model,
         [ids for _, ids, _ in pending],
         settings.max_new_tokens,
@@ -260,6 +306,45 @@ def _torch_responses(model, tokenizer, pending, settings: DataSettings, shard_in
         slots=settings.batch_size,
         max_prompt_tokens=settings.max_prompt_tokens,
     )
+
+
+def _replies(model, tokenizer, asks: list[str], settings: DataSettings, seed: int) -> list[str | None]:
+    """The target's sampled reply to each instruction (`self_prompts`), as text; None where it was cut off."""
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True) for a in asks
+    ]
+    eos = set(tokenizer.eos_token_ids)
+    if settings.engine == "torch":
+        replies = dict(
+            torch_engine.generate(
+                model,
+                prompts,
+                self_prompts.MAX_TOKENS,
+                eos,
+                slots=settings.batch_size,
+                max_prompt_tokens=max(map(len, prompts)),
+                temperature=self_prompts.TEMPERATURE,
+                top_p=self_prompts.TOP_P,
+                seed=seed,
+            )
+        )
+        ended = [replies[i][:-1] if replies[i][-1] in eos else None for i in range(len(prompts))]
+    else:
+        from mlx_lm.generate import batch_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        mx.random.seed(seed)
+        result = batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=self_prompts.MAX_TOKENS,
+            return_token_ids=True,
+            sampler=make_sampler(self_prompts.TEMPERATURE, top_p=self_prompts.TOP_P),
+            completion_batch_size=settings.batch_size,
+        )  # drops the EOS: a reply shorter than MAX_TOKENS ended
+        ended = [list(r) if len(r) < self_prompts.MAX_TOKENS else None for r in result.token_ids]
+    return [None if r is None else tokenizer.decode(r) for r in ended]
 
 
 def _throughput(settings: DataSettings, prompts: int, tokens: int, seconds: float) -> dict:

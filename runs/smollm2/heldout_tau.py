@@ -1,5 +1,6 @@
 """Held-out tau of drafter folders on a data folder's held-out samples: all of them, those whose response is not in
-a loop, and those whose prompt no bundled drafter trained on (not a training prompt of `runs/smollm2/data`).
+a loop, those whose prompt no bundled drafter trained on (not a training prompt of `runs/smollm2/data`), and per
+domain (`dflash2_mlx.domains`: chat, code, math) with their mean.
 
     .venv/bin/python runs/smollm2/heldout_tau.py runs/smollm2/data-384 FOLDER [FOLDER ...]
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from dflash2_apps.openblas import restart_with_openblas
+from dflash2_mlx.domains import DOMAINS, prompt_domain
 from dflash2_mlx.loading import load_target
 from dflash2_mlx.loops import in_a_loop
 from dflash2_mlx.train.data import prompt_key, read_shards
@@ -22,10 +24,14 @@ BUNDLED_DATA = "runs/smollm2/data"
 
 def main(data: str, folders: list[str]) -> None:
     restart_with_openblas(sys.argv)
-    model, _ = load_target()
+    model, tokenizer = load_target()
     seen = {prompt_key(s) for s in read_shards(BUNDLED_DATA, heldout=False)}
-    print("| drafter | all held-out | not in a loop | prompt unseen by the bundled drafters | both |")
-    print("|---|---|---|---|---|")
+    print(
+        "| drafter | all held-out | not in a loop | prompt unseen by the bundled drafters | both | "
+        + " | ".join(DOMAINS)
+        + " | mean of the domains |"
+    )
+    print("|---|---|---|---|---|" + "---|" * (len(DOMAINS) + 1))
     for folder in folders:
         with folder_trainer(model, data, folder, eval_samples=10**6) as trainer:
             heldout = trainer.heldout
@@ -35,10 +41,14 @@ def main(data: str, folders: list[str]) -> None:
                 "unseen": [s for s in heldout if prompt_key(s) not in seen],
             }
             subsets["both"] = [s for s in subsets["loop-free"] if prompt_key(s) not in seen]
-            cells = []
-            for samples in subsets.values():
+            domain = {id(s): prompt_domain(tokenizer.decode(s.tokens[: s.prompt_len].tolist())) for s in heldout}
+            subsets |= {d: [s for s in heldout if domain[id(s)] == d] for d in DOMAINS}
+            cells, taus = [], {}
+            for name, samples in subsets.items():
                 trainer.heldout = samples
-                cells.append(f"{trainer.evaluate().tau:.4f} ({len(samples)})")
+                taus[name] = trainer.evaluate().tau
+                cells.append(f"{taus[name]:.4f} ({len(samples)})")
+            cells.append(f"{sum(taus[d] for d in DOMAINS) / len(DOMAINS):.4f}")
         print(f"| {folder} | " + " | ".join(cells) + " |", flush=True)
 
 
