@@ -41,6 +41,11 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that preload OpenBLAS themselves, once they know MLX does their work: `data` with the torch engine
+# runs without it (preloaded, it takes over PyTorch's float32 matmuls: 2.7x slower on a 2-core AVX2 EPYC).
+OWN_BLAS = ("data",)
+
+
 def command_in(argv: list[str]) -> str | None:
     """The command `argv` runs, if it names one before any help flag (`dflash2 --help` lists them all)."""
     for arg in argv:
@@ -63,11 +68,13 @@ def error_lines(error: BaseException) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:
+    restart = argv is None
+    if restart and command_in(sys.argv[1:]) not in OWN_BLAS:
         restart_with_openblas(["-m", "dflash2_apps.cli", *sys.argv[1:]])
-        argv = sys.argv[1:]
+    argv = sys.argv[1:] if argv is None else argv
     args = make_parser(command_in(argv)).parse_args(argv)
     args.argv = list(argv)  # the words after `dflash2`: reports say how they were made
+    args.restart = restart  # whether a command may replace this process (`openblas.restart_with_openblas`)
     # the library's notices (logging, never print): a download, a measurement, a dtype it had to change
     logging.basicConfig(level=logging.INFO, format="[dflash2] %(message)s")
     try:

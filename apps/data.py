@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import numpy as np
 
+from dflash2_apps.openblas import restart_with_openblas
 from dflash2_mlx.formats.vocab import COUNTS_FILE, token_counts
-from dflash2_mlx.train.data import ENGINES, TURNS, DataSettings, build, read_shards
+from dflash2_mlx.loading import load_target
+from dflash2_mlx.train.data import ENGINES, TURNS, DataSettings, build, pick_engine, read_shards
 
 
 def add_parser(sub) -> None:
@@ -61,8 +64,8 @@ def add_parser(sub) -> None:
         "--engine",
         choices=ENGINES,
         default="auto",
-        help="what decodes the responses: torch (bfloat16, greedy) where the CPU has avx512_bf16 or AMX "
-        "and PyTorch is installed, MLX elsewhere (auto); a folder keeps the engine it was started with",
+        help="what decodes the responses: torch (greedy; bfloat16 where the CPU has avx512_bf16 or AMX, else "
+        "float32) on x86-64 where PyTorch is installed, MLX elsewhere (auto); a folder keeps its engine",
     )
     p.set_defaults(run=run)
 
@@ -80,7 +83,11 @@ def run(args) -> int:
         args.turns,
         args.self_prompts,
     )
-    out = build(args.out, settings)
+    model, tokenizer = load_target(args.model)
+    settings = replace(settings, engine=pick_engine(args.engine, args.temp, model))
+    if settings.engine == "mlx" and args.restart:
+        restart_with_openblas(["-m", "dflash2_apps.cli", *args.argv])  # MLX's float32 matmuls need it
+    out = build(args.out, settings, model, tokenizer)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
     samples = read_shards(out)
     held = sum(s.heldout for s in samples)

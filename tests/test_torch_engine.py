@@ -126,14 +126,47 @@ def test_unsupported_targets_and_settings_are_refused(monkeypatch):
         pick_engine("torch", 0.7, make_target("llama"))
     with pytest.raises(ValueError, match="engine must be one of"):
         pick_engine("cuda", 0.0, make_target("llama"))
+    import dflash2_mlx.train.data as data
     import dflash2_mlx.train.torch_engine as te
 
-    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(data.platform, "machine", lambda: "x86_64")
     assert pick_engine("auto", 0.0, make_target("llama")) == "torch"
     assert pick_engine("auto", 0.7, make_target("llama")) == "mlx"
     assert pick_engine("auto", 0.0, make_target("qwen3")) == "mlx"
-    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(te, "torch_available", lambda: False)
     assert pick_engine("auto", 0.0, make_target("llama")) == "mlx"
+    monkeypatch.undo()
+    monkeypatch.setattr(data.platform, "machine", lambda: "aarch64")  # unmeasured there: MLX
+    assert pick_engine("auto", 0.0, make_target("llama")) == "mlx"
+    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: True)
+    assert te.machine_dtype() == "bfloat16"
+    monkeypatch.setattr(te, "cpu_has_fast_bf16", lambda: False)
+    assert te.machine_dtype() == "float32"
+
+
+def test_dflash2_data_preloads_openblas_only_where_mlx_decodes(monkeypatch, tmp_path):
+    """Preloaded OpenBLAS takes over PyTorch's float32 matmuls (2.7x slower on a 2-core AVX2 CPU), so `dflash2 data`
+    restarts with it once it knows MLX decodes, and never for the torch engine; other commands restart at once."""
+    import sys
+
+    from dflash2_apps import cli
+    from dflash2_apps import data as data_command
+
+    restarts = []
+    monkeypatch.setattr(cli, "restart_with_openblas", lambda argv: restarts.append(("at start", argv)))
+    monkeypatch.setattr(data_command, "restart_with_openblas", lambda argv: restarts.append(("data", argv)))
+    monkeypatch.setattr(data_command, "load_target", lambda name: (make_target("llama"), None))
+    monkeypatch.setattr(data_command, "build", lambda *a: 1 / 0)  # stop once the engine is picked
+    for engine in ("torch", "mlx"):
+        restarts.clear()
+        argv = ["data", "--out", str(tmp_path), "--engine", engine]
+        monkeypatch.setattr(sys, "argv", ["dflash2", *argv])
+        assert cli.main() == 1  # the ZeroDivisionError, reported
+        assert restarts == ([] if engine == "torch" else [("data", ["-m", "dflash2_apps.cli", *argv])])
+    monkeypatch.setattr(sys, "argv", ["dflash2", "convert", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert restarts[-1] == ("at start", ["-m", "dflash2_apps.cli", "convert", "--help"])
 
 
 def test_a_folder_keeps_its_engine(tmp_path, tokenizer):

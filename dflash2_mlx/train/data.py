@@ -11,6 +11,7 @@ asked before in the source is skipped (at T = 0 it has the same answer), so no h
 from __future__ import annotations
 
 import json
+import platform
 import sys
 import time
 from collections.abc import Iterator
@@ -112,8 +113,9 @@ ENGINES = ("auto", "mlx", "torch")
 def pick_engine(engine: str, temperature: float, model) -> str:
     """The engine that decodes a data set's responses on this machine.
 
-    "auto" takes PyTorch where the CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX), torch is installed, the
-    responses are greedy and `torch_engine.supported` runs the target; MLX elsewhere (and always on Metal).
+    "auto" takes PyTorch on an x86-64 CPU where torch is installed, the responses are greedy and
+    `torch_engine.supported` runs the target (in bfloat16 where the CPU multiplies it in hardware, else float32:
+    `torch_engine.machine_dtype`); MLX elsewhere, Metal included.
 
     Args:
         engine (str): "auto", "mlx" or "torch".
@@ -126,11 +128,11 @@ def pick_engine(engine: str, temperature: float, model) -> str:
         if not torch_engine.torch_available():
             raise ValueError("--engine torch needs PyTorch: pip install torch (or use --engine mlx)")
         if temperature != 0:
-            raise ValueError("the torch engine decodes greedily: use --temp 0 or --engine mlx")
+            raise ValueError("the torch engine answers greedily: use --temp 0 or --engine mlx")
         return engine
     if engine == "auto":
-        fast = not mx.metal.is_available() and torch_engine.cpu_has_fast_bf16() and torch_engine.torch_available()
-        if fast and temperature == 0 and torch_engine.supported(model):
+        cpu = not mx.metal.is_available() and platform.machine().lower() in ("x86_64", "amd64")
+        if cpu and torch_engine.torch_available() and temperature == 0 and torch_engine.supported(model):
             return "torch"
         return "mlx"
     return engine
@@ -351,6 +353,7 @@ def _throughput(settings: DataSettings, prompts: int, tokens: int, seconds: floa
     """One run's throughput so far (rewritten after every shard, so an interrupted run still counts)."""
     return {
         "engine": settings.engine,
+        **({"dtype": torch_engine.machine_dtype()} if settings.engine == "torch" else {}),
         "batch_size": settings.batch_size,
         "prompts": prompts,
         "response_tokens": tokens,
