@@ -114,6 +114,22 @@ def test_a_run_logged_to_a_file_says_each_shard(tmp_path, tiny, monkeypatch, cap
 SETTINGS = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=8, batch_size=1)
 
 
+def test_a_shard_is_read_once_and_its_samples_share_its_tokens(tmp_path):
+    """`read_shards` inflates each of a shard's arrays once: every sample's tokens are a view of one array (reading
+    them per sample held a copy of the whole shard per sample: 11 GB for `data-384`'s 7.4M tokens)."""
+    rng = np.random.default_rng(0)
+    written = [Sample(f"c{i}", rng.integers(0, 100, 5 + i).astype(np.int32), 2 + i % 3, i % 4 == 0) for i in range(10)]
+    write_shard(tmp_path / "shard-00000.npz", written[:6])
+    write_shard(tmp_path / "shard-00001.npz", written[6:])
+    read = read_shards(tmp_path)
+    assert [(s.id, s.tokens.tolist(), s.prompt_len, s.heldout) for s in read] == [
+        (s.id, s.tokens.tolist(), s.prompt_len, s.heldout) for s in written
+    ]
+    assert [s.shard for s in read] == ["shard-00000"] * 6 + ["shard-00001"] * 4
+    assert len({id(s.tokens.base) for s in read}) == 2  # one token array per shard
+    assert [s.id for s in read_shards(tmp_path, heldout=True)] == ["c0", "c4", "c8"]
+
+
 @pytest.fixture(scope="module")
 def tiny(tokenizer):
     return make_target("qwen3", seed=2), tokenizer

@@ -39,18 +39,13 @@ def read_shards(folder: str | Path, heldout: bool | None = None) -> list[Sample]
     """Every sample in a data folder, optionally only one split."""
     samples = []
     for path in sorted(Path(folder).glob("shard-*.npz")):
-        with np.load(path) as z:
-            offsets = z["offsets"]
-            for i, sid in enumerate(z["ids"]):
-                if heldout is None or bool(z["heldout"][i]) == heldout:
-                    samples.append(
-                        Sample(
-                            str(sid),
-                            z["tokens"][offsets[i] : offsets[i + 1]],
-                            int(z["prompt_lens"][i]),
-                            bool(z["heldout"][i]),
-                            path.name.removesuffix(".npz"),
-                            int(offsets[i]),
-                        )
-                    )
+        with np.load(path) as z:  # each z[name] reads and inflates that array again: once per shard
+            ids, tokens, offsets, prompt_lens, held = (
+                z[name] for name in ("ids", "tokens", "offsets", "prompt_lens", "heldout")
+            )
+        shard = path.name.removesuffix(".npz")
+        for i, sid in enumerate(ids):
+            if heldout is None or bool(held[i]) == heldout:
+                start, end = int(offsets[i]), int(offsets[i + 1])
+                samples.append(Sample(str(sid), tokens[start:end], int(prompt_lens[i]), bool(held[i]), shard, start))
     return samples
