@@ -51,6 +51,22 @@ def test_kept_replies_are_of_their_domain_new_and_whole(tmp_path):
     assert len({self_prompts.instruction("math", k, 3) for k in range(20)}) > 10
 
 
+def test_replies_in_the_assistants_voice_are_no_prompts():
+    """Replies SmolLM2-135M wrote when asked for a code prompt: a refusal or an offer to help is dropped, while a
+    user's own first person stays."""
+    for reply in [
+        "I'm sorry, but as a text-based AI, I'm unable to assist with SQL code. Try: SELECT * FROM users;",
+        "I can assist you with a C function. Please provide the error handling code you need in C.",
+        "What a delightful request. I'd be happy to help with Python code that reads JSON files.",
+    ]:
+        assert self_prompts.keep(reply, "code") is None
+    for prompt in [
+        "I'm getting an error in my Python code: `for i in range(len(x)): print(x[i+1])`. Why?",
+        "I am trying to write a SQL query that joins two tables. How do I use LEFT JOIN?",
+    ]:
+        assert self_prompts.keep(prompt, "code") == prompt
+
+
 def test_the_file_grows_and_a_resumed_run_asks_new_instructions(tmp_path):
     calls = []
     first = self_prompts.write(tmp_path, 4, scripted(calls), seed=0)
