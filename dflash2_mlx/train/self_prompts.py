@@ -19,7 +19,7 @@ FILE = "self-prompts.json"  # in the data folder: {"prompts": {domain: [...]}, "
 TEMPERATURE, TOP_P = 0.8, 0.95
 MAX_TOKENS = 160  # a written prompt's most tokens; one cut off there is dropped
 SHORTEST, LONGEST = 20, 800  # characters a kept prompt has
-# A reply in the assistant's voice (a refusal, an offer to help) is no user's prompt: 14 of the first 181 code
+# A reply in the assistant's voice (a refusal, an offer to help) is no user's prompt: 23 of the first 181 code
 # prompts SmolLM2-135M wrote were.
 ASSISTANT_VOICE = re.compile(
     r"\b(as an ai|(i'm|i am) sorry|i apologize|(i'm|i am|i'd be|i would be) (here|happy|glad|ready) to"
