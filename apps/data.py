@@ -11,7 +11,7 @@ import numpy as np
 from dflash2_apps.openblas import restart_with_openblas
 from dflash2_mlx.formats.vocab import COUNTS_FILE, token_counts
 from dflash2_mlx.loading import load_target
-from dflash2_mlx.train.data import ENGINES, TURNS, DataSettings, build, pick_engine, read_shards
+from dflash2_mlx.train.data import ENGINES, TURNS, DataSettings, build, pick_engine
 
 
 def add_parser(sub) -> None:
@@ -89,10 +89,10 @@ def run(args) -> int:
         restart_with_openblas(["-m", "dflash2_apps.cli", *args.argv])  # MLX's float32 matmuls need it
     out = build(args.out, settings, model, tokenizer)
     np.save(out / COUNTS_FILE, token_counts(out).astype(np.int32))  # for --draft-vocab
-    samples = read_shards(out)
-    held = sum(s.heldout for s in samples)
-    tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
-    print(f"{out}: {len(samples) - held} training + {held} held-out samples, {tokens} response tokens", file=sys.stderr)
-    for domain, counts in json.loads((out / "data.json").read_text())["domains"].items():
+    domains = json.loads((out / "data.json").read_text())["domains"]  # what `build` counted in the shards
+    train, held = (sum(c[part] for c in domains.values()) for part in ("train", "heldout"))
+    tokens = sum(c["train_tokens"] + c["heldout_tokens"] for c in domains.values())
+    print(f"{out}: {train} training + {held} held-out samples, {tokens} response tokens", file=sys.stderr)
+    for domain, counts in domains.items():
         print(f"  {domain}: {counts['train']} training + {counts['heldout']} held-out", file=sys.stderr)
     return 0
