@@ -119,14 +119,15 @@ def add_parser(sub) -> None:
         "--feature-engine",
         choices=ENGINES,
         default="auto",
-        help="what computes the target's features (the cache, or each step's with --no-feature-cache): PyTorch "
-        "in bfloat16 where the CPU has avx512_bf16 or AMX and PyTorch is installed (auto; a cache of its own), "
-        "MLX elsewhere",
+        help="what computes the target's features (the cache, or each step's with --no-feature-cache): auto takes "
+        "PyTorch on an x86-64 CPU where it is installed (in bfloat16 where the CPU has avx512_bf16 or AMX, with a "
+        "cache of its own; else float32), MLX elsewhere",
     )
     p.add_argument(
         "--no-feature-cache",
         action="store_true",
-        help="compute the target's features at every step instead of once into the data folder",
+        help="compute the training samples' features at every step instead of once into the data folder (the "
+        "held-out samples' are cached in any case)",
     )
     p.set_defaults(run=run)
 

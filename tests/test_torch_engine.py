@@ -183,49 +183,92 @@ def test_a_folder_keeps_its_engine(tmp_path, tokenizer):
         build(tmp_path / "d", DataSettings(**{**settings.__dict__, "engine": "mlx"}), model, tokenizer, progress=False)
 
 
-def test_the_torch_feature_cache_is_the_targets_in_bfloat16_and_kept_apart(tmp_path, tokenizer):
-    """`FeatureCache(engine="torch")`: rows within bfloat16 rounding of the MLX float32 cache's, in a folder of their
-    own (a run never mixes the two); a target the engine cannot run is refused."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_torch_feature_cache_is_the_targets_in_the_machines_dtype(tmp_path, tokenizer, monkeypatch, dtype):
+    """`FeatureCache(engine="torch")` in the machine's dtype: bfloat16's rows within its rounding of the MLX float32
+    cache's, in a folder of their own (a run never mixes the two); float32's within float32 rounding, in MLX's
+    folder. A target the engine cannot run is refused."""
+    import dflash2_mlx.train.torch_engine as te
+
+    monkeypatch.setattr(te, "machine_dtype", lambda: dtype)
     model = make_target("llama", seed=2)
     settings = DataSettings(target="tiny", num_prompts=4, max_prompt_tokens=400, max_new_tokens=12, batch_size=2)
     build(tmp_path, settings, model, tokenizer, progress=False)
     samples = read_shards(tmp_path)
     target = Target(model, (0, 2, 3))
     mlx_cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=64)
+    want = np.array(mlx_cache.context(range(len(samples)), max(len(s.tokens) for s in samples)), np.float32)
+    if dtype == "float32":
+        for path in mlx_cache.folder.iterdir():  # the torch cache must compute them, not read MLX's
+            path.unlink()
     torch_cache = FeatureCache(tmp_path, samples, target, max_batch_tokens=64, engine="torch")
-    assert mlx_cache.folder != torch_cache.folder
-    length = max(len(s.tokens) for s in samples)
-    want = np.array(mlx_cache.context(range(len(samples)), length), np.float32)
-    got = np.array(torch_cache.context(range(len(samples)), length), np.float32)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02
-    assert np.abs(got - want).max() > 0  # bfloat16's own rows, not the float32 cache read twice
+    got = np.array(torch_cache.context(range(len(samples)), want.shape[1]), np.float32)
+    error = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if dtype == "bfloat16":
+        assert torch_cache.folder != mlx_cache.folder
+        assert 1e-4 < error < 0.02  # bfloat16's own rows, not the float32 cache read twice
+    else:
+        assert torch_cache.folder == mlx_cache.folder
+        assert error < 1e-3  # the cache keeps float16: its rounding, ~3e-4, is the difference's floor
     with pytest.raises(ValueError, match="use the mlx engine"):
         FeatureCache(tmp_path, samples, Target(make_target("qwen3", seed=2), (0, 2, 3)), engine="torch")
 
 
-def test_training_without_a_cache_takes_each_steps_features_from_the_engine(tmp_path, tokenizer):
-    """`--no-feature-cache --feature-engine torch`: every step's context is the torch engine's features (within
-    bfloat16 rounding of MLX's float32 ones, and not them), scaled as the cached ones are, and the run trains."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_training_without_a_cache_takes_each_steps_features_from_the_engine(tmp_path, tokenizer, monkeypatch, dtype):
+    """`--no-feature-cache --feature-engine torch`: every step's context is the torch engine's features in the
+    machine's dtype (within its rounding of MLX's float32 ones), each sequence computed at its own length (its padding
+    rows zero, as the cache's), scaled as the cached ones are, and the run trains."""
+    import dflash2_mlx.train.torch_engine as te
     from dflash2_mlx.train.batches import make_batch
     from dflash2_mlx.train.settings import TrainSettings
     from dflash2_mlx.train.trainer import Trainer
 
+    monkeypatch.setattr(te, "machine_dtype", lambda: dtype)
     model = make_target("llama", seed=2)
     settings = DataSettings(target="tiny", num_prompts=6, max_prompt_tokens=400, max_new_tokens=12, batch_size=3)
     build(tmp_path / "d", settings, model, tokenizer, progress=False)
 
     def trainer(engine):
         run = TrainSettings(
-            data=str(tmp_path / "d"), cache_features=False, feature_engine=engine, steps=2, sequences_per_step=2
+            data=str(tmp_path / "d"), cache_features=False, feature_engine=engine, steps=2, sequences_per_step=3
         )
         return Trainer(model, tmp_path / engine, run)
 
     by_torch, by_mlx = trainer("torch"), trainer("mlx")
     batch = make_batch(by_torch.train_samples, 0, by_torch.settings, by_torch.drafter.config.mask_token_id)
+    lengths = [len(by_torch.train_samples[i].tokens) for i in batch.picked]
+    assert len(set(lengths)) > 1  # some rows padded
     got = np.array(by_torch.context(batch, "train") / by_torch.feature_scale)
-    want = np.array(by_mlx.target.sequence_features(batch.tokens))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02 and np.abs(got - want).max() > 0
+    padded = np.array(by_mlx.target.sequence_features(batch.tokens))  # the whole padded batch in one pass
+    for row, n in enumerate(lengths):
+        want = padded[row, :n]
+        error = np.linalg.norm(got[row, :n] - want) / np.linalg.norm(want)
+        assert (1e-4 < error < 0.02) if dtype == "bfloat16" else error < 1e-5
+        assert not got[row, n:].any()
+    mlx_rows = np.array(by_mlx.context(batch, "train") / by_mlx.feature_scale)
+    for row, n in enumerate(lengths):  # the MLX engine computes each row at its own length too
+        assert np.linalg.norm(mlx_rows[row, :n] - padded[row, :n]) / np.linalg.norm(padded[row, :n]) < 1e-5
+        assert not mlx_rows[row, n:].any()
     assert np.isfinite(by_torch.train_step())
+
+
+def test_float32_torch_leaves_the_threads_to_a_loaded_openblas(monkeypatch):
+    """OpenBLAS, where loaded, takes PyTorch's float32 matmuls and threads them itself: PyTorch then runs on one
+    thread (its own would contend with OpenBLAS's); bfloat16 matmuls are PyTorch's own and keep its threads."""
+    import dflash2_mlx.train.torch_engine as te
+
+    assert te.openblas_loaded("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libopenblas.so.0\n")
+    assert not te.openblas_loaded("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    threads = torch.get_num_threads()
+    try:
+        for loaded, dtype, want in ((False, "float32", 2), (True, "bfloat16", 2), (True, "float32", 1)):
+            torch.set_num_threads(2)
+            monkeypatch.setattr(te, "openblas_loaded", lambda loaded=loaded: loaded)
+            TorchTarget(make_target("llama"), 0, 0, dtype)
+            assert torch.get_num_threads() == want, (loaded, dtype)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_prompts_are_taken_shortest_first_within_each_window():

@@ -7,9 +7,10 @@ target and layer choice (`features-<fingerprint>/`), one set of files per data s
 grows (`dflash2 data` with more prompts) only adds shards, and only those are computed. Filled sample by
 sample in batches of similar length; an interrupted fill resumes where it stopped.
 
-`engine="torch"` computes them with PyTorch in bfloat16 (`torch_engine`), ~10x MLX float32 on a CPU with
-avx512_bf16; its features differ from float32's by bfloat16 rounding, so it keeps a cache of its own
-(`features-<fingerprint>-torch/`).
+`engine="torch"` computes them with PyTorch (`torch_engine`) in the machine's dtype: bfloat16 where the CPU
+multiplies it in hardware (~10x MLX float32 with avx512_bf16), whose features differ from float32's by bfloat16
+rounding and so keep a cache of their own (`features-<fingerprint>-torch/`); else float32 (1.8-3.4x MLX float32
+on a 2-core AVX2 EPYC), MLX's features to float32 rounding, in MLX's cache.
 
 The top-k part is filled only for a cache that asks for it (`teacher=True`: distillation): on this CPU the
 full-vocabulary head, its log-sum-exp and top-k took a third of the fill's time, for rows most runs never read.
@@ -114,7 +115,7 @@ class FeatureCache:
             )
         self.samples, self.teacher, self.engine = samples, teacher, engine
         self.width = len(target.layer_ids) * target.hidden_size
-        suffix = "-torch" if engine == "torch" else ""
+        suffix = "-torch" if engine == "torch" and torch_engine.machine_dtype() == "bfloat16" else ""
         self.folder = Path(folder) / f"features-{target.fingerprint()}{suffix}"
         self.folder.mkdir(parents=True, exist_ok=True)
         rows = defaultdict(int)

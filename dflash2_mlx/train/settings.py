@@ -34,8 +34,9 @@ class TrainSettings:
     eval_every: int = 100
     checkpoint_every: int = 50
     eval_samples: int = 40
-    cache_features: bool = True  # the target's features computed once, kept in the data folder
-    feature_engine: str = "auto"  # what computes the features: "mlx", "torch" (bfloat16) or "auto" (as `dflash2 data`)
+    cache_features: bool = True  # the training samples' features computed once, kept in the data folder (the
+    # held-out samples' always are)
+    feature_engine: str = "auto"  # what computes the features: "mlx", "torch" or "auto" (as `dflash2 data`)
     reduced_vocabulary: bool = True  # the loss's softmax over the tokens of the training data only
     draft_vocab: int | None = None  # train (and draft) over the N most frequent tokens of the training responses
     init_from: str | None = None  # a drafter folder to start from (its config fixes the drafter's shape;

@@ -1,4 +1,4 @@
-"""The target's teacher features by MLX (float32 + OpenBLAS) and by PyTorch (bfloat16), in one run.
+"""The target's teacher features by MLX (float32 + OpenBLAS) and by PyTorch (the machine's dtype), in one run.
 
     .venv/bin/python runs/smollm2/feature_engines.py
 
