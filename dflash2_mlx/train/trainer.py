@@ -200,14 +200,16 @@ class Trainer:
         self.feature_engine = pick_engine(settings.feature_engine, 0.0, self.target.model)
         if not settings.cache_features and self.feature_engine == "torch":
             self._torch = torch_engine.TorchTarget(self.target.model, slots=0, max_len=0)
+        # the held-out samples' features are cached in any case: every evaluation reads them, and they are few
+        splits = {"heldout": (self.heldout, False)}
         if settings.cache_features:
-            splits = {"train": (self.train_samples, bool(settings.distill)), "heldout": (self.heldout, False)}
-            if self.peers:
-                self._fill_together(splits)
-            self.caches = {
-                name: FeatureCache(settings.data, samples, self.target, teacher=teacher, engine=self.feature_engine)
-                for name, (samples, teacher) in splits.items()
-            }
+            splits["train"] = (self.train_samples, bool(settings.distill))
+        if self.peers:
+            self._fill_together(splits)
+        self.caches = {
+            name: FeatureCache(settings.data, samples, self.target, teacher=teacher, engine=self.feature_engine)
+            for name, (samples, teacher) in splits.items()
+        }
         self.feature_scale = mx.array(self._feature_scale())
 
     def _fill_together(self, splits: dict) -> None:
@@ -282,7 +284,7 @@ class Trainer:
         fc + hidden_norm and made the drafter learn almost nothing from its context. Training sees
         features with unit-RMS channels; `export` folds the scale into fc, so a drafter folder takes the
         target's raw features like any other."""
-        if self.caches:
+        if "train" in self.caches:
             rows = self.caches["train"].row_sample(20000)
         else:
             rows = np.concatenate(
@@ -290,12 +292,29 @@ class Trainer:
             )
         return (1 / np.maximum(np.sqrt(np.mean(rows**2, axis=0)), 1e-3)).astype(np.float32)
 
-    def teacher(self, tokens: mx.array, top_k: int = 0) -> tuple[mx.array, mx.array, mx.array]:
-        """`Target.teacher` of whole sequences, computed by the feature engine (without a feature cache)."""
+    def teacher(
+        self, tokens: mx.array, top_k: int = 0, lengths: list[int] | None = None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """`Target.teacher` of whole sequences, computed by the feature engine (without a feature cache). With
+        `lengths` (each row's tokens before its padding), each row is computed at its own length and its padding
+        rows are zeros, as the cache's: a step's sequences differ in length by 2-4x, and the padding of a batch is
+        a third of its tokens and more (a drafter's block never sees the rows past its anchor)."""
+        if lengths is not None:
+            rows = [self.teacher(tokens[i : i + 1, :n], top_k) for i, n in enumerate(lengths)]
+            width = tokens.shape[1]
+            return tuple(
+                mx.concatenate([mx.pad(r[j], [(0, 0), (0, width - r[j].shape[1]), (0, 0)]) for r in rows])
+                for j in range(3)
+            )
         if self._torch is None:
             return self.target.teacher(tokens, top_k)
         outputs = self._torch.sequences(np.array(tokens), list(self.target.layer_ids), top_k)
         return tuple(mx.array(x) for x in outputs)
+
+    def _lengths(self, batch: Batch, split: str) -> list[int]:
+        """The tokens of each of a batch's sequences (its `picked` index `split`'s samples)."""
+        samples = self.train_samples if split == "train" else self.heldout
+        return [len(samples[i].tokens) for i in batch.picked]
 
     def context(self, batch: Batch, split: str) -> mx.array:
         """The target's features of the batch's sequences (from the cache when there is one), scaled
@@ -303,7 +322,7 @@ class Trainer:
         if split in self.caches:
             features = self.caches[split].context(batch.picked, batch.tokens.shape[1])
         else:
-            features = self.teacher(batch.tokens)[0]
+            features = self.teacher(batch.tokens, lengths=self._lengths(batch, split))[0]
         return features.astype(mx.float32) * self.feature_scale
 
     # -- checkpoints -----------------------------------------------------------------------------------
@@ -387,8 +406,7 @@ class Trainer:
         S, A = anchors.shape
         rows = anchors[:, :, None] + np.arange(self.settings.block_size - 1)  # the row before each draft's token
         ids, logprobs = [], []
-        for s, sample in enumerate(batch.picked):
-            n = len((self.train_samples if split == "train" else self.heldout)[sample].tokens)
+        for s, (sample, n) in enumerate(zip(batch.picked, self._lengths(batch, split))):
             r = np.minimum(rows[s], n - 1)  # past the end: any row (its label is -1, its weight 0)
             if teacher is None:
                 i, lp = self.caches[split].teacher_rows(sample, r)
@@ -407,7 +425,7 @@ class Trainer:
             denominator = loss_weight(self._loss_labels(batch.labels), self.weights)
             batch = share(batch, self.peers.rank, self.peers.size)
         if self.settings.distill and "train" not in self.caches:
-            features, *teacher = self.teacher(batch.tokens, TEACHER_TOP_K)
+            features, *teacher = self.teacher(batch.tokens, TEACHER_TOP_K, self._lengths(batch, "train"))
             context = features.astype(mx.float32) * self.feature_scale
             soft = self.soft_targets(batch, "train", teacher)
         else:
