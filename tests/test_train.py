@@ -29,6 +29,7 @@ from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.batches import make_batch, training_vocabulary
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
+from dflash2_mlx.train.evaluate import accepted_blocks, summary
 from dflash2_mlx.train.export import run_seconds
 from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
 from dflash2_mlx.train.settings import TrainSettings
@@ -299,6 +300,11 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     caches, trainer.caches = trainer.caches, {}  # features from the target for both (not the cache's float16)
     with trainer.averaged():
         seen, heldout = trainer.evaluate("train"), trainer.heldout
+        blocks = accepted_blocks(
+            trainer.drafter, heldout, range(len(heldout)), trainer.settings, lambda b: trainer.context(b, "heldout")
+        )
+        assert blocks.shape == (len(heldout), trainer.settings.anchors_per_sequence)
+        assert summary(blocks, trainer.settings.block_size) == trainer.evaluate()
         trainer.heldout = [trainer.train_samples[i] for i in trainer.train_probe]
         assert trainer.evaluate() == seen
         # loop_free: the held-out samples whose response repeats under half of its 8-grams, counted the slow way
@@ -979,3 +985,14 @@ def test_a_training_run_that_ignores_ctrl_c_keeps_ignoring_it(terminal_sigint):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         signal.raise_signal(signal.SIGINT)
     assert not requested.is_set() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_an_evaluation_summarizes_its_blocks_accepted_drafts():
+    """tau, first-draft accuracy and acceptance by position, from the definitions over a hand-made set of blocks."""
+    accepted = np.array([[0, 3, 7], [1, 0, 2]])  # block 8: 0..7 drafts accepted
+    got = summary(accepted, 8)
+    assert got.tau == pytest.approx(1 + 13 / 6) and got.first_draft == pytest.approx(4 / 6)
+    # P(draft i accepted | drafts before it accepted): blocks reaching i over blocks reaching i - 1
+    reached = [6, 4, 3, 2, 1, 1, 1, 1]
+    assert got.by_position == tuple(round(reached[i + 1] / reached[i], 4) for i in range(7))
+    assert summary(accepted[[1]], 8).tau == pytest.approx(2.0) and np.isnan(summary(accepted[:0], 8).tau)

@@ -41,6 +41,46 @@ def acceptance_by_position(accepted: Sequence[int], block_size: int) -> tuple[fl
     return tuple(round(reached[i + 1] / reached[i], 4) if reached[i] else 0.0 for i in range(block_size - 1))
 
 
+def accepted_blocks(
+    drafter: DFlashDraftModel,
+    samples: list[Sample],
+    indices: Sequence[int],
+    settings: TrainSettings,
+    context: Callable[[Batch], mx.array],
+    peers=None,
+) -> np.ndarray:
+    """The accepted drafts [len(indices), anchors] of each block drafted from `settings`'s anchors (the same at
+    every evaluation) in `samples[i]`, row by row of `indices`; `context(batch)` gives the drafter's context rows of
+    a batch (whose `picked` are indices into `samples`). With `peers` (the ranks of a data-parallel run, each
+    holding the same drafter) each rank drafts one in N of the chunks and the ranks sum their rows: every rank gets
+    the whole evaluation's."""
+    A = settings.anchors_per_sequence
+    same_anchors = replace(settings, distinct_anchors=False)  # every run is evaluated on the same blocks
+    accepted = np.zeros((len(indices), A), np.int32)
+    starts = range(0, len(indices), EVAL_SEQUENCES)
+    for start in starts[peers.rank :: peers.size] if peers else starts:
+        chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
+        batch = make_batch(chunk, EVAL_STEP, same_anchors, drafter.config.mask_token_id, sequences=len(chunk))
+        rows = [start + i for i in batch.picked]  # rows of `indices`
+        batch.picked = [indices[row] for row in rows]  # indices into `samples`
+        hidden = drafter.hidden(batch.blocks, context(batch), None, batch.where)[:, 1:]
+        drafts = drafter.greedy_drafts(hidden, drafter.draft_logits(hidden), batch.blocks[:, 0])
+        accepted[rows] = accepted_drafts(np.array(drafts), np.array(batch.labels)).reshape(len(rows), A)
+    if peers:
+        accepted = np.array(peers.sum(mx.array(accepted), "the evaluation"), np.int32)
+    return accepted
+
+
+def summary(accepted: np.ndarray, block_size: int) -> Evaluation:
+    """The evaluation of blocks with `accepted` drafts each (any shape; `accepted_blocks`, or some of its rows)."""
+    if not accepted.size:
+        return Evaluation(float("nan"), float("nan"), ())
+    accepted = accepted.reshape(-1)
+    return Evaluation(
+        float(np.mean(accepted) + 1), float(np.mean(accepted >= 1)), acceptance_by_position(accepted, block_size)
+    )
+
+
 def evaluate(
     drafter: DFlashDraftModel,
     samples: list[Sample],
@@ -49,28 +89,6 @@ def evaluate(
     context: Callable[[Batch], mx.array],
     peers=None,
 ) -> Evaluation:
-    """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position,
-    over `settings`'s anchors (the same at every evaluation) in `samples[i]` for i in `indices`;
-    `context(batch)` gives the drafter's context rows of a batch (whose `picked` are indices into `samples`).
-    With `peers` (the ranks of a data-parallel run, each holding the same drafter) each rank drafts one in N of
-    the chunks and the ranks sum their counts: every rank gets the numbers of the whole evaluation."""
-    if not indices:
-        return Evaluation(float("nan"), float("nan"), ())
-    B = settings.block_size
-    same_anchors = replace(settings, distinct_anchors=False)  # every run is evaluated on the same blocks
-    counts = np.zeros(B + 1, np.int64)  # blocks with 0..B-1 accepted drafts, then blocks with draft 1 right
-    starts = range(0, len(indices), EVAL_SEQUENCES)
-    for start in starts[peers.rank :: peers.size] if peers else starts:
-        chunk = [samples[i] for i in indices[start : start + EVAL_SEQUENCES]]
-        batch = make_batch(chunk, EVAL_STEP, same_anchors, drafter.config.mask_token_id, sequences=len(chunk))
-        batch.picked = [indices[start + i] for i in batch.picked]  # indices into `samples`
-        hidden = drafter.hidden(batch.blocks, context(batch), None, batch.where)[:, 1:]
-        drafts = drafter.greedy_drafts(hidden, drafter.draft_logits(hidden), batch.blocks[:, 0])
-        drafts, labels = np.array(drafts), np.array(batch.labels)
-        counts[:B] += np.bincount(accepted_drafts(drafts, labels), minlength=B)
-        counts[B] += int(np.sum((drafts[:, 0] == labels[:, 0]) & (labels[:, 0] >= 0)))
-    if peers:
-        counts = np.array(peers.sum(mx.array(counts.astype(np.int32)), "the evaluation"), np.int64)
-    blocks = int(counts[:B].sum())
-    accepted = np.repeat(np.arange(B), counts[:B])
-    return Evaluation(float(np.mean(accepted) + 1), float(counts[B] / blocks), acceptance_by_position(accepted, B))
+    """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position, over
+    the blocks of `accepted_blocks` (which see for the arguments)."""
+    return summary(accepted_blocks(drafter, samples, indices, settings, context, peers), settings.block_size)

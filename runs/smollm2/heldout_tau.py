@@ -4,7 +4,8 @@ domain (`dflash2_mlx.domains`: chat, code, math) with their mean.
 
     .venv/bin/python runs/smollm2/heldout_tau.py runs/smollm2/data-384 FOLDER [FOLDER ...]
 
-Teacher-forced, T = 0, each folder's card settings (`evaluate_folder`: block size, anchors, draft vocabulary size
+Teacher-forced, T = 0, each folder's card settings; every held-out block is drafted once and each subset's tau is
+the mean over its samples' blocks (`evaluate_folder`: block size, anchors, draft vocabulary size
 taken from the data folder's training responses). Prints one markdown row per folder.
 """
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from dflash2_apps.openblas import restart_with_openblas
 from dflash2_mlx.domains import DOMAINS, prompt_domain
 from dflash2_mlx.loading import load_target
 from dflash2_mlx.loops import in_a_loop
 from dflash2_mlx.train.data import prompt_key, read_shards
+from dflash2_mlx.train.evaluate import accepted_blocks, summary
 from dflash2_mlx.train.trainer import folder_trainer
 
 BUNDLED_DATA = "runs/smollm2/data"
@@ -35,19 +39,26 @@ def main(data: str, folders: list[str]) -> None:
     for folder in folders:
         with folder_trainer(model, data, folder, eval_samples=10**6) as trainer:
             heldout = trainer.heldout
+            accepted = accepted_blocks(  # every held-out block once; the subsets are rows of it
+                trainer.drafter,
+                heldout,
+                range(len(heldout)),
+                trainer.settings,
+                lambda batch: trainer.context(batch, "heldout"),
+            )
+            loop_free = [not in_a_loop(s.tokens[s.prompt_len :].tolist()) for s in heldout]
+            unseen = [prompt_key(s) not in seen for s in heldout]
+            domain = [prompt_domain(tokenizer.decode(s.tokens[: s.prompt_len].tolist())) for s in heldout]
             subsets = {
-                "all": heldout,
-                "loop-free": [s for s in heldout if not in_a_loop(s.tokens[s.prompt_len :].tolist())],
-                "unseen": [s for s in heldout if prompt_key(s) not in seen],
-            }
-            subsets["both"] = [s for s in subsets["loop-free"] if prompt_key(s) not in seen]
-            domain = {id(s): prompt_domain(tokenizer.decode(s.tokens[: s.prompt_len].tolist())) for s in heldout}
-            subsets |= {d: [s for s in heldout if domain[id(s)] == d] for d in DOMAINS}
+                "all": [True] * len(heldout),
+                "loop-free": loop_free,
+                "unseen": unseen,
+                "both": [a and b for a, b in zip(loop_free, unseen)],
+            } | {d: [x == d for x in domain] for d in DOMAINS}
             cells, taus = [], {}
-            for name, samples in subsets.items():
-                trainer.heldout = samples
-                taus[name] = trainer.evaluate().tau
-                cells.append(f"{taus[name]:.4f} ({len(samples)})")
+            for name, keep in subsets.items():
+                taus[name] = summary(accepted[np.array(keep, bool)], trainer.settings.block_size).tau
+                cells.append(f"{taus[name]:.4f} ({sum(keep)})")
             cells.append(f"{sum(taus[d] for d in DOMAINS) / len(DOMAINS):.4f}")
         print(f"| {folder} | " + " | ".join(cells) + " |", flush=True)
 
