@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -35,7 +34,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel, TrainingBlocks
-from ..formats.card import CARD_FILE
 from ..formats.config import DraftConfig
 from ..formats.shards import read_shards
 from ..loading import bind_drafter, load_drafter
@@ -576,34 +574,3 @@ class Trainer:
         return write_drafter(
             folder, self.drafter.config, weights, self.feature_scale, self.drafter.draft_vocab, self.train_samples
         )
-
-
-@contextmanager
-def folder_trainer(model, data: str | Path, folder: str | Path, eval_samples: int | None = None):
-    """A trainer that evaluates a drafter folder trained by `dflash2 train` with its card's settings (the same
-    draft vocabulary, anchors and held-out samples; `eval_samples` of them if given), in a temporary folder."""
-    st = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
-    keep = (
-        "draft_vocab",
-        "reduced_vocabulary",
-        "anchors_per_sequence",
-        "seed",
-        "eval_samples",
-        "selector_factorized",
-        "selector_rank",
-        "selector_top_k",
-    )
-    fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
-    settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
-    with tempfile.TemporaryDirectory() as out:
-        yield Trainer(model, out, settings)
-
-
-def evaluate_folder(
-    model, data: str | Path, folder: str | Path, eval_samples: int | None = None, loop_free: bool = False
-) -> Evaluation:
-    """The held-out evaluation of a drafter folder (`folder_trainer`). E.g. the acceptance by position for the card
-    of a drafter trained before cards had it:
-    `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
-    with folder_trainer(model, data, folder, eval_samples) as trainer:
-        return trainer.evaluate(loop_free=loop_free)
