@@ -50,7 +50,7 @@ def test_bundled_drafter_measures_the_tau_its_card_records(smollm2, arch):
     or an evaluation that regressed gives another. Fewer samples would not do: their taus are heavy-tailed (the
     DFlash 2 drafter's 40: 1.17-5.41, standard deviation 0.73, the target's repetition loops on top), so a
     tolerance wide enough for 8 of them (4 standard errors: 0.94) would pass a drafter that accepts nothing (1.0)."""
-    from dflash2_mlx.train.evaluate import evaluate_folder
+    from dflash2_mlx.train.folder_eval import evaluate_folder
 
     model, _ = smollm2
     folder = default_drafter(arch)

@@ -29,9 +29,10 @@ from dflash2_mlx.sparkline import sparkline
 from dflash2_mlx.target import Target
 from dflash2_mlx.train.batches import make_batch, training_vocabulary
 from dflash2_mlx.train.data import HELDOUT_EVERY, DataSettings, Sample, build, read_shards, write_shard
-from dflash2_mlx.train.evaluate import accepted_blocks, evaluate_folder, summary
+from dflash2_mlx.train.evaluate import accepted_blocks, summary
 from dflash2_mlx.train.export import run_seconds
 from dflash2_mlx.train.features import TEACHER_TOP_K, FeatureCache
+from dflash2_mlx.train.folder_eval import evaluate_folder
 from dflash2_mlx.train.settings import TrainSettings
 from dflash2_mlx.train.trainer import Trainer
 

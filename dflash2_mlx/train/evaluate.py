@@ -1,23 +1,17 @@
 """Held-out evaluation, teacher-forced: with greedy-regenerated data the response IS the target's greedy
 continuation, so the leading matches of each block's greedy drafts are exactly what verification would
-accept. The blocks of a few sequences are drafted in one drafter pass and walked in one greedy walk.
-`evaluate_folder` evaluates a drafter folder on a data folder's held-out samples."""
+accept. The blocks of a few sequences are drafted in one drafter pass and walked in one greedy walk."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..drafter import DFlashDraftModel
-from ..formats.card import CARD_FILE
 from ..formats.shards import Sample
 from .batches import Batch, make_batch
 from .settings import TrainSettings
@@ -98,36 +92,3 @@ def evaluate(
     """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position, over
     the blocks of `accepted_blocks` (which see for the arguments)."""
     return summary(accepted_blocks(drafter, samples, indices, settings, context, peers), settings.block_size)
-
-
-@contextmanager
-def folder_trainer(model, data: str | Path, folder: str | Path, eval_samples: int | None = None):
-    """A trainer that evaluates a drafter folder trained by `dflash2 train` with its card's settings (the same
-    draft vocabulary, anchors and held-out samples; `eval_samples` of them if given), in a temporary folder."""
-    st = json.loads((Path(folder) / CARD_FILE).read_text())["settings"]
-    keep = (
-        "draft_vocab",
-        "reduced_vocabulary",
-        "anchors_per_sequence",
-        "seed",
-        "eval_samples",
-        "selector_factorized",
-        "selector_rank",
-        "selector_top_k",
-    )
-    fields = {k: st[k] for k in keep if k in st} | ({} if eval_samples is None else {"eval_samples": eval_samples})
-    settings = TrainSettings(data=str(data), init_from=str(folder), cache_features=False, ema=0.0, **fields)
-    from .trainer import Trainer  # which evaluates with this module's functions
-
-    with tempfile.TemporaryDirectory() as out:
-        yield Trainer(model, out, settings)
-
-
-def evaluate_folder(
-    model, data: str | Path, folder: str | Path, eval_samples: int | None = None, loop_free: bool = False
-) -> Evaluation:
-    """The held-out evaluation of a drafter folder (`folder_trainer`). E.g. the acceptance by position for the card
-    of a drafter trained before cards had it:
-    `card[ACCEPTANCE_FIELD] = list(evaluate_folder(target, data, folder).by_position)`."""
-    with folder_trainer(model, data, folder, eval_samples) as trainer:
-        return trainer.evaluate(loop_free=loop_free)
