@@ -20,7 +20,8 @@ from dflash2_mlx.domains import DOMAINS, prompt_domain
 from dflash2_mlx.loading import load_target
 from dflash2_mlx.loops import in_a_loop
 from dflash2_mlx.train.data import prompt_key, read_shards
-from dflash2_mlx.train.evaluate import accepted_blocks, folder_trainer, summary
+from dflash2_mlx.train.evaluate import accepted_blocks, summary
+from dflash2_mlx.train.folder_eval import folder_trainer
 
 BUNDLED_DATA = "runs/smollm2/data"
 
