@@ -55,6 +55,8 @@ def accepted_blocks(
     holding the same drafter) each rank drafts one in N of the chunks and the ranks sum their rows: every rank gets
     the whole evaluation's."""
     A = settings.anchors_per_sequence
+    if not len(indices):  # every rank alike: no collective sum to wait on
+        return np.zeros((0, A), np.int32)
     same_anchors = replace(settings, distinct_anchors=False)  # every run is evaluated on the same blocks
     accepted = np.zeros((len(indices), A), np.int32)
     starts = range(0, len(indices), EVAL_SEQUENCES)
