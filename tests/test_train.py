@@ -300,23 +300,26 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     )
     caches, trainer.caches = trainer.caches, {}  # features from the target for both (not the cache's float16)
     with trainer.averaged():
-        seen, heldout = trainer.evaluate("train"), trainer.heldout
+        seen, heldout = trainer.evaluate("probe"), trainer.heldout
         blocks = accepted_blocks(
             trainer.drafter, heldout, range(len(heldout)), trainer.settings, lambda b: trainer.context(b, "heldout")
         )
         assert blocks.shape == (len(heldout), trainer.settings.anchors_per_sequence)
         assert summary(blocks, trainer.settings.block_size) == trainer.evaluate()
-        trainer.heldout = [trainer.train_samples[i] for i in trainer.train_probe]
+        assert trainer.probe == [trainer.train_samples[i] for i in trainer.train_probe]
+        trainer.heldout = trainer.probe
         assert trainer.evaluate() == seen
         # loop_free: the held-out samples whose response repeats under half of its 8-grams, counted the slow way
         first = heldout[0]
         looping = first.tokens[: first.prompt_len].tolist() + [7, 8, 9, 10, 11] * 8
         both = heldout + [Sample("loop", np.array(looping, np.int32), first.prompt_len, True)]
-        trainer.heldout = [s for s in both if not _loops(s.tokens[s.prompt_len :].tolist())]
-        assert 0 < len(trainer.heldout) < len(both)  # both kinds, or the test proves nothing
-        free = trainer.evaluate()
+        free = np.array([not _loops(s.tokens[s.prompt_len :].tolist()) for s in both])
+        assert 0 < free.sum() < len(both)  # both kinds, or the test proves nothing
         trainer.heldout = both
-        assert trainer.evaluate(loop_free=True) == free != trainer.evaluate()
+        blocks = trainer.accepted_blocks()  # the loop-free tau: the same blocks as the whole set's, some rows
+        assert (
+            trainer.evaluate(loop_free=True) == summary(blocks[free], trainer.settings.block_size) != trainer.evaluate()
+        )
     trainer.caches, trainer.heldout = caches, heldout
     with trainer.averaged():
         assert trainer.log[-1]["loop_free_tau"] == round(trainer.evaluate(loop_free=True).tau, 4)
@@ -598,11 +601,28 @@ def test_resume_is_bit_identical(tmp_path, train_data):
     first = Trainer(model, tmp_path / "resumed", settings(folder, "dflash2", 8, checkpoint_every=4))
     first.run(progress=False, until=4)  # an interrupted run
     second = Trainer(model, tmp_path / "resumed", settings(folder, "dflash2", 8, checkpoint_every=4))
+    second.feature_scale = second.feature_scale * 2  # as if the data had grown since: the checkpoint's scale wins
     assert second.run(progress=False)["resumed"]
     a, b = dict(tree_flatten(straight.drafter.parameters())), dict(tree_flatten(second.drafter.parameters()))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert all(mx.array_equal(straight.average[k], second.average[k]).item() for k in a)  # the moving average too
     assert [e["loss"] for e in straight.log] == [e["loss"] for e in second.log]
+
+
+@pytest.mark.slow
+def test_without_a_training_cache_the_probe_is_cached_and_sets_the_feature_scale(tmp_path, train_data, monkeypatch):
+    model, folder = train_data
+    trainer = Trainer(model, tmp_path / "run", settings(folder, "dflash2", 2, cache_features=False))
+    assert "train" not in trainer.caches and len(trainer.probe) == min(40, len(trainer.train_samples))
+    # 1 / RMS of each channel over all the probe's rows (a few thousand: under `row_sample`'s 20,000), from the target
+    rows = np.concatenate(
+        [np.array(trainer.target.sequence_features(mx.array(s.tokens[None]))[0]) for s in trainer.probe]
+    )
+    expected = 1 / np.maximum(np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=0)), 1e-3)
+    np.testing.assert_allclose(np.array(trainer.feature_scale), expected, rtol=1e-2)
+    # an evaluation reads the held-out and probe features from their caches: no target forward
+    monkeypatch.setattr(Trainer, "teacher", lambda *a, **k: pytest.fail("features computed at an evaluation"))
+    assert trainer.evaluate("probe").tau >= 1 and trainer.evaluate().tau >= 1
 
 
 @pytest.mark.slow

@@ -42,8 +42,8 @@ from ..process_group import ProcessGroup
 from ..target import Target
 from . import torch_engine
 from .batches import Batch, loss_vocabulary, make_batch, share
-from .data import distinct_prompts, pick_engine
-from .evaluate import Evaluation, evaluate
+from .data import Sample, distinct_prompts, pick_engine
+from .evaluate import Evaluation, accepted_blocks, summary
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
 from .init_weights import identity_selector, layers_from_target
@@ -54,6 +54,7 @@ from .settings import TrainSettings, check_world_size, settle
 logger = logging.getLogger(__name__)
 
 AVERAGE_FILE = "average.safetensors"
+SCALE_FILE = "feature_scale.safetensors"
 HEARTBEAT = 10.0  # seconds of feature-cache work between the ranks' check-ins (data parallel)
 
 
@@ -93,14 +94,15 @@ class Trainer:
             self._warm_start(self.settings.init_from)
 
     def _read_data(self, settings: TrainSettings) -> None:
-        """The training samples, the first `eval_samples` held-out ones, and `train_probe`: as many training
-        samples, spread over the data, evaluated like the held-out ones (the gap between the two is what the
-        drafter memorized rather than learned)."""
+        """The training samples, the first `eval_samples` held-out ones, and `probe`: as many training samples
+        (`train_probe` their indices), spread over the data, evaluated like the held-out ones (the gap between the
+        two is what the drafter memorized rather than learned)."""
         heldout = read_shards(settings.data, heldout=True)
         self.heldout = heldout[: settings.eval_samples]
         self.train_samples = distinct_prompts(read_shards(settings.data, heldout=False), heldout)
         spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
         self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
+        self.probe = [self.train_samples[i] for i in self.train_probe]
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(
                 f"{settings.data} has {len(self.train_samples)} training samples; need at least "
@@ -198,8 +200,8 @@ class Trainer:
         self.feature_engine = pick_engine(settings.feature_engine, 0.0, self.target.model)
         if not settings.cache_features and self.feature_engine == "torch":
             self._torch = torch_engine.TorchTarget(self.target.model, slots=0, max_len=0)
-        # the held-out samples' features are cached in any case: every evaluation reads them, and they are few
-        splits = {"heldout": (self.heldout, False)}
+        # the held-out and probe samples' features are cached in any case: every evaluation reads them, and they are few
+        splits = {"heldout": (self.heldout, False), "probe": (self.probe, False)}
         if settings.cache_features:
             splits["train"] = (self.train_samples, bool(settings.distill))
         if self.peers:
@@ -282,12 +284,7 @@ class Trainer:
         fc + hidden_norm and made the drafter learn almost nothing from its context. Training sees
         features with unit-RMS channels; `export` folds the scale into fc, so a drafter folder takes the
         target's raw features like any other."""
-        if "train" in self.caches:
-            rows = self.caches["train"].row_sample(20000)
-        else:
-            rows = np.concatenate(
-                [np.array(self.teacher(mx.array(s.tokens[None]))[0][0]) for s in self.train_samples[:16]]
-            )
+        rows = self.caches.get("train", self.caches["probe"]).row_sample(20000)
         return (1 / np.maximum(np.sqrt(np.mean(rows**2, axis=0)), 1e-3)).astype(np.float32)
 
     def teacher(
@@ -309,10 +306,13 @@ class Trainer:
         outputs = self._torch.sequences(np.array(tokens), list(self.target.layer_ids), top_k)
         return tuple(mx.array(x) for x in outputs)
 
+    def samples(self, split: str) -> list[Sample]:
+        """The samples of a split: "train", "heldout" or "probe"."""
+        return {"train": self.train_samples, "heldout": self.heldout, "probe": self.probe}[split]
+
     def _lengths(self, batch: Batch, split: str) -> list[int]:
         """The tokens of each of a batch's sequences (its `picked` index `split`'s samples)."""
-        samples = self.train_samples if split == "train" else self.heldout
-        return [len(samples[i].tokens) for i in batch.picked]
+        return [len(self.samples(split)[i].tokens) for i in batch.picked]
 
     def context(self, batch: Batch, split: str) -> mx.array:
         """The target's features of the batch's sequences (from the cache when there is one), scaled
@@ -335,6 +335,7 @@ class Trainer:
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
         if self.average is not None:
             mx.save_safetensors(str(tmp / AVERAGE_FILE), self.average)
+        mx.save_safetensors(str(tmp / SCALE_FILE), {"feature_scale": self.feature_scale})
         (tmp / "state.json").write_text(
             json.dumps(
                 {
@@ -392,7 +393,12 @@ class Trainer:
         self.step, self.log = state["step"], state["log"]
         if self.settings.ema and (self.checkpoint / AVERAGE_FILE).exists():
             self.average, self.averaged_steps = mx.load(str(self.checkpoint / AVERAGE_FILE)), state["averaged_steps"]
-        mx.eval(self.drafter.parameters(), self.optimizer.state, self.average)
+        # the weights were trained on features at the checkpoint's scale (data grown since would change it)
+        if (self.checkpoint / SCALE_FILE).exists():
+            self.feature_scale = mx.load(str(self.checkpoint / SCALE_FILE))["feature_scale"]
+        else:
+            logger.warning("%s predates saved feature scales: the data's is computed again", self.checkpoint)
+        mx.eval(self.drafter.parameters(), self.optimizer.state, self.average, self.feature_scale)
         return True
 
     # -- training ------------------------------------------------------------------------------------------
@@ -476,18 +482,23 @@ class Trainer:
         finally:
             self.drafter.load_weights(raw)
 
+    def accepted_blocks(self, split: str = "heldout") -> np.ndarray:
+        """`evaluate.accepted_blocks` of all of `split`'s samples ("heldout", or "probe": training samples the
+        drafter has learned from)."""
+        samples = self.samples(split)
+        return accepted_blocks(
+            self.drafter, samples, range(len(samples)), self.settings, lambda b: self.context(b, split), self.peers
+        )
+
+    def loop_free_rows(self, split: str = "heldout") -> np.ndarray:
+        """Which of `split`'s samples have a response that is not in a loop (`loops.in_a_loop`)."""
+        return np.array([not in_a_loop(s.tokens[s.prompt_len :].tolist()) for s in self.samples(split)], bool)
+
     def evaluate(self, split: str = "heldout", loop_free: bool = False) -> Evaluation:
-        """Acceptance on the held-out samples (`evaluate.evaluate`); split="train": the same on `train_probe`,
-        training samples the drafter has learned from; `loop_free`: only the samples whose response is not
-        in a loop (`loops.in_a_loop`)."""
-        samples, indices = (
-            (self.heldout, range(len(self.heldout))) if split == "heldout" else (self.train_samples, self.train_probe)
-        )
-        if loop_free:
-            indices = [i for i in indices if not in_a_loop(samples[i].tokens[samples[i].prompt_len :].tolist())]
-        return evaluate(
-            self.drafter, samples, indices, self.settings, lambda batch: self.context(batch, split), self.peers
-        )
+        """Acceptance on `split`'s samples (`accepted_blocks`); `loop_free`: on those of its blocks whose sample's
+        response is not in a loop."""
+        blocks = self.accepted_blocks(split)
+        return summary(blocks[self.loop_free_rows(split)] if loop_free else blocks, self.settings.block_size)
 
     def run(self, progress: bool = True, until: int | None = None) -> dict:
         """Train (from the last checkpoint, if any) to `settings.steps`, or stop early with a checkpoint: at
@@ -535,9 +546,10 @@ class Trainer:
                         tau, first, _ = self.evaluate()
                         entry.update(raw_tau=round(tau, 4), raw_first_draft=round(first, 4))
                     with self.averaged():
-                        tau, first, by_position = self.evaluate()
-                        seen_tau = self.evaluate("train").tau
-                        free_tau = self.evaluate(loop_free=True).tau
+                        blocks = self.accepted_blocks()  # drafted once; the loop-free tau is of some of its rows
+                        tau, first, by_position = summary(blocks, s.block_size)
+                        free_tau = summary(blocks[self.loop_free_rows()], s.block_size).tau
+                        seen_tau = self.evaluate("probe").tau
                     entry.update(
                         tau=round(tau, 4),
                         first_draft=round(first, 4),

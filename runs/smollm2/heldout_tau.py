@@ -18,9 +18,8 @@ import numpy as np
 from dflash2_apps.openblas import restart_with_openblas
 from dflash2_mlx.domains import DOMAINS, prompt_domain
 from dflash2_mlx.loading import load_target
-from dflash2_mlx.loops import in_a_loop
 from dflash2_mlx.train.data import prompt_key, read_shards
-from dflash2_mlx.train.evaluate import accepted_blocks, summary
+from dflash2_mlx.train.evaluate import summary
 from dflash2_mlx.train.folder_eval import folder_trainer
 
 BUNDLED_DATA = "runs/smollm2/data"
@@ -39,14 +38,8 @@ def main(data: str, folders: list[str]) -> None:
     for folder in folders:
         with folder_trainer(model, data, folder, eval_samples=10**6) as trainer:
             heldout = trainer.heldout
-            accepted = accepted_blocks(  # every held-out block once; the subsets are rows of it
-                trainer.drafter,
-                heldout,
-                range(len(heldout)),
-                trainer.settings,
-                lambda batch: trainer.context(batch, "heldout"),
-            )
-            loop_free = [not in_a_loop(s.tokens[s.prompt_len :].tolist()) for s in heldout]
+            accepted = trainer.accepted_blocks()  # every held-out block once; the subsets are rows of it
+            loop_free = list(trainer.loop_free_rows())
             unseen = [prompt_key(s) not in seen for s in heldout]
             domain = [prompt_domain(tokenizer.decode(s.tokens[: s.prompt_len].tolist())) for s in heldout]
             subsets = {
