@@ -22,7 +22,12 @@ TRAIN_FLAGS = {
         "dflash2 over a v1 folder warm-starts a DFlash 2 drafter from it)",
     ),
     "--block-size": ("block_size", int, "block size the drafter is trained for"),
-    "--layers": ("layers", int, "drafter layers"),
+    "--layers": (
+        "layers",
+        int,
+        "drafter layers (default 1; with --init-from: the folder's, and more adds layers on top that start as "
+        "the identity)",
+    ),
     "--steps": ("steps", int, "optimizer steps (the schedule's length; a longer value on resume stretches it)"),
     "--sequences-per-step": ("sequences_per_step", int, "training sequences per step"),
     "--anchors-per-sequence": ("anchors_per_sequence", int, "blocks drafted from random anchors per sequence"),
@@ -35,7 +40,7 @@ TRAIN_FLAGS = {
     "--init-from": (
         "init_from",
         str,
-        "start from this drafter folder or hub id (its config replaces --block-size/--layers)",
+        "start from this drafter folder or hub id (its config replaces --block-size; --layers may add layers)",
     ),
     "--distill": (
         "distill",

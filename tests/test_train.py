@@ -531,6 +531,35 @@ def test_init_from_a_drafter_folder(tmp_path, train_data):
 
 
 @pytest.mark.slow
+def test_a_warm_started_drafter_grows_layers_that_start_as_the_identity(tmp_path, train_data):
+    """`--layers` above an `--init-from` folder's adds layers on top whose output projections start at zero: the
+    grown drafter drafts exactly as the folder's at step 0 (the same hidden states), then the new layers train."""
+    model, folder = train_data
+    small = Trainer(model, tmp_path / "small", settings(folder, "dflash2", 20, layers=1))
+    small.run(progress=False)
+    exported = small.export(tmp_path / "small-drafter")
+    grown = Trainer(model, tmp_path / "grown", settings(folder, None, 6, layers=3, init_from=str(exported)))
+    assert grown.settings.layers == len(grown.drafter.layers) == grown.drafter.config.num_hidden_layers == 3
+    batch = make_batch(grown.heldout, 0, grown.settings, grown.drafter.config.mask_token_id, sequences=2)
+    context = grown.context(batch, "heldout")
+    with small.averaged():  # what `export` wrote
+        assert small.evaluate().first_draft > 0  # a comparison of drafters that draft something
+        assert grown.evaluate() == small.evaluate()
+        np.testing.assert_allclose(
+            np.array(grown.drafter.hidden(batch.blocks, context, None, batch.where)),
+            np.array(small.drafter.hidden(batch.blocks, context, None, batch.where)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    grown.run(progress=False)
+    assert all(mx.any(layer.mlp.down_proj.weight != 0).item() for layer in grown.drafter.layers[1:])
+    again = Trainer(model, tmp_path / "again", settings(folder, None, 1, init_from=str(grown.export(tmp_path / "g"))))
+    assert len(again.drafter.layers) == 3  # without --layers: the folder's
+    with pytest.raises(ValueError, match="has 3 layers, and a warm start keeps them all"):
+        Trainer(model, tmp_path / "fewer", settings(folder, None, 1, layers=2, init_from=str(tmp_path / "g")))
+
+
+@pytest.mark.slow
 def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     """DFlash 2's added modules start as identity (convolutions pass through, zero successor codes), so a
     DFlash 2 drafter warm-started from a v1 folder drafts exactly as the v1 drafter at step 0, then trains."""

@@ -1,5 +1,6 @@
-"""How a new drafter's weights start: its layers from the target's last layers (`--init-from-target`), and a
-DFlash 2 selector that starts as the identity (the drafter drafts as its v1 core until it learns otherwise)."""
+"""How a new drafter's weights start: its layers from the target's last layers (`--init-from-target`), a DFlash 2
+selector that starts as the identity (the drafter drafts as its v1 core until it learns otherwise), and layers
+added to a warm-started drafter that start as the identity."""
 
 from __future__ import annotations
 
@@ -44,3 +45,12 @@ def identity_selector(drafter: DFlashDraftModel) -> None:
     sel = drafter.candidate_selector
     table = sel.successor_projection if sel.factorized else sel.successor_codebook
     table.weight = mx.zeros_like(table.weight)
+
+
+def identity_layer(layer) -> None:
+    """Zero a drafter layer's attention and MLP output projections: with the residual around each (and DFlash 2's
+    convolutions, linear in what they convolve), the layer passes its input through unchanged. A drafter grown
+    from a shallower one (`--init-from` with more `--layers`) drafts as it did at step 0; the zeroed projections
+    take the first gradients, the rest of the layer follows."""
+    layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)

@@ -17,7 +17,7 @@ class TrainSettings:
     data: str
     architecture: str | None = None  # "dflash2" or "v1"; None: dflash2, or the shape of `init_from`
     block_size: int = 8
-    layers: int = 1
+    layers: int | None = None  # None: 1 for a new drafter, an `init_from` folder's (more: layers added on top)
     steps: int = 1000
     sequences_per_step: int = 4
     anchors_per_sequence: int = 32
@@ -94,10 +94,11 @@ def settle(settings: TrainSettings, model) -> tuple[TrainSettings, DraftConfig]:
     shape recorded in the settings, so that the loss, the card and resume agree), else a new drafter shaped
     like the target's own layers."""
     if not settings.init_from:
-        settings = replace(settings, architecture=settings.architecture or "dflash2")
+        settings = replace(settings, architecture=settings.architecture or "dflash2", layers=settings.layers or 1)
         return settings, drafter_config(Target(model), settings)
     config = DraftConfig.from_path(resolve_path(settings.init_from))
     config = upgraded(config, settings) if settings.architecture == "dflash2" else config
+    config = deepened(config, settings.layers)
     if settings.architecture == "v1" and config.is_dflash2:
         raise ValueError(
             f"{settings.init_from} is a DFlash 2 drafter; it can be fine-tuned as one (leave out "
@@ -141,6 +142,22 @@ def drafter_config(target: Target, settings: TrainSettings) -> DraftConfig:
         selector_rank=settings.selector_rank if dflash2 else 0,
         selector_top_k=settings.selector_top_k if dflash2 else 0,
         selector_factorized=settings.selector_factorized and dflash2,
+    )
+
+
+def deepened(config: DraftConfig, layers: int | None) -> DraftConfig:
+    """An `init_from` folder's config with `layers` layers: its own (None), or more, added on top of its own (they
+    start as the identity: `init_weights.identity_layer`)."""
+    have = config.num_hidden_layers
+    if layers is None or layers == have:
+        return config
+    if layers < have:
+        raise ValueError(
+            f"--layers {layers}: the --init-from drafter has {have} layers, and a warm start keeps them all "
+            f"(leave out --layers, or give {have} or more to add layers on top)"
+        )
+    return replace(
+        config, num_hidden_layers=layers, layer_types=config.layer_types + config.layer_types[-1:] * (layers - have)
     )
 
 

@@ -46,7 +46,7 @@ from .data import Sample, distinct_prompts, pick_engine
 from .evaluate import Evaluation, accepted_blocks, summary
 from .export import CURVE_FILE, write_curve, write_drafter
 from .features import TEACHER_TOP_K, FeatureCache
-from .init_weights import identity_selector, layers_from_target
+from .init_weights import identity_layer, identity_selector, layers_from_target
 from .interrupt import interrupt_requested
 from .loss import NO_SOFT, Soft, draft_weights, gold_predecessors, loss_fn, loss_weight
 from .settings import TrainSettings, check_world_size, settle
@@ -271,11 +271,15 @@ class Trainer:
     def _warm_start(self, folder: str) -> None:
         """Start from a drafter folder's weights: fine-tune a published drafter on your target's own
         outputs, or continue training a bundled one."""
-        weights = dict(tree_flatten(load_drafter(folder, dtype="float32").parameters()))
+        start = load_drafter(folder, dtype="float32")
+        weights = dict(tree_flatten(start.parameters()))
         weights["fc.weight"] = weights["fc.weight"] / self.feature_scale  # folders take raw features
         # a v1 folder warm-starting a DFlash 2 drafter lacks the DFlash 2 modules, which keep their identity init
         upgrading = self.drafter.config.is_dflash2 and not any(k.startswith("candidate_selector.") for k in weights)
-        self.drafter.load_weights(list(weights.items()), strict=not upgrading)
+        added = self.drafter.layers[len(start.layers) :]  # `--layers` above the folder's: on top, as the identity
+        self.drafter.load_weights(list(weights.items()), strict=not (upgrading or added))
+        for layer in added:
+            identity_layer(layer)
         mx.eval(self.drafter.parameters())
 
     def _feature_scale(self) -> np.ndarray:
