@@ -100,8 +100,9 @@ class Trainer:
         heldout = read_shards(settings.data, heldout=True)
         self.heldout = heldout[: settings.eval_samples]
         self.train_samples = distinct_prompts(read_shards(settings.data, heldout=False), heldout)
-        spread = max(1, len(self.train_samples) // max(1, settings.eval_samples))
-        self.train_probe = list(range(0, len(self.train_samples), spread))[: settings.eval_samples]
+        n = min(settings.eval_samples, len(self.heldout))  # `eval_samples` past the held-out set asks for all of it
+        spread = max(1, len(self.train_samples) // max(1, n))
+        self.train_probe = list(range(0, len(self.train_samples), spread))[:n]
         self.probe = [self.train_samples[i] for i in self.train_probe]
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(
