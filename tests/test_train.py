@@ -527,6 +527,20 @@ def test_init_from_a_drafter_folder(tmp_path, train_data):
         Trainer(model, tmp_path / "c", settings(folder, "v1", 3, init_from=str(exported)))
 
 
+def _assert_drafts_alike(started: Trainer, source: Trainer) -> None:
+    """A warm-started trainer's drafter drafts as its source's: the same evaluation, the same hidden states."""
+    assert source.evaluate().first_draft > 0  # a comparison of drafters that draft something
+    assert started.evaluate() == source.evaluate()
+    batch = make_batch(started.heldout, 0, started.settings, started.drafter.config.mask_token_id, sequences=2)
+    context = started.context(batch, "heldout")
+    np.testing.assert_allclose(
+        np.array(started.drafter.hidden(batch.blocks, context, None, batch.where)),
+        np.array(source.drafter.hidden(batch.blocks, context, None, batch.where)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 @pytest.mark.slow
 def test_a_warm_started_drafter_grows_layers_that_start_as_the_identity(tmp_path, train_data):
     """`--layers` above an `--init-from` folder's adds layers on top whose output projections start at zero: the
@@ -537,17 +551,8 @@ def test_a_warm_started_drafter_grows_layers_that_start_as_the_identity(tmp_path
     exported = small.export(tmp_path / "small-drafter")
     grown = Trainer(model, tmp_path / "grown", settings(folder, None, 6, layers=3, init_from=str(exported)))
     assert grown.settings.layers == len(grown.drafter.layers) == grown.drafter.config.num_hidden_layers == 3
-    batch = make_batch(grown.heldout, 0, grown.settings, grown.drafter.config.mask_token_id, sequences=2)
-    context = grown.context(batch, "heldout")
     with small.averaged():  # what `export` wrote
-        assert small.evaluate().first_draft > 0  # a comparison of drafters that draft something
-        assert grown.evaluate() == small.evaluate()
-        np.testing.assert_allclose(
-            np.array(grown.drafter.hidden(batch.blocks, context, None, batch.where)),
-            np.array(small.drafter.hidden(batch.blocks, context, None, batch.where)),
-            rtol=1e-5,
-            atol=1e-5,
-        )
+        _assert_drafts_alike(grown, small)
     grown.run(progress=False)
     assert all(mx.any(layer.mlp.down_proj.weight != 0).item() for layer in grown.drafter.layers[1:])
     again = Trainer(model, tmp_path / "again", settings(folder, None, 1, init_from=str(grown.export(tmp_path / "g"))))
@@ -566,17 +571,8 @@ def test_a_v1_drafter_warm_starts_a_dflash2_one(tmp_path, train_data):
     exported = v1.export(tmp_path / "v1-drafter")
     v2 = Trainer(model, tmp_path / "v2", settings(folder, "dflash2", 20, init_from=str(exported)))
     assert v2.drafter.config.is_dflash2 and v2.settings.architecture == "dflash2"
-    batch = make_batch(v2.heldout, 0, v2.settings, v2.drafter.config.mask_token_id, sequences=2)
-    context = v2.context(batch, "heldout")
     with v1.averaged():  # what `export` wrote
-        assert v2.evaluate() == v1.evaluate()
-        assert v1.evaluate().first_draft > 0  # a comparison of drafters that draft something
-        np.testing.assert_allclose(
-            np.array(v2.drafter.hidden(batch.blocks, context, None, batch.where)),
-            np.array(v1.drafter.hidden(batch.blocks, context, None, batch.where)),
-            rtol=1e-5,
-            atol=1e-5,
-        )
+        _assert_drafts_alike(v2, v1)
     v2.run(progress=False)
     conv = v2.drafter.layers[0].attention_conv
     assert mx.any(conv.kernel_projection.weight != 0).item()  # the DFlash 2 modules train from there
