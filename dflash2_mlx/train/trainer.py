@@ -202,9 +202,10 @@ class Trainer:
         if not settings.cache_features and self.feature_engine == "torch":
             self._torch = torch_engine.TorchTarget(self.target.model, slots=0, max_len=0)
         # the held-out and probe samples' features are cached in any case: every evaluation reads them, and they are few
-        splits = {"heldout": (self.heldout, False), "probe": (self.probe, False)}
+        splits = {"heldout": (self.heldout, False)}
         if settings.cache_features:
             splits["train"] = (self.train_samples, bool(settings.distill))
+        splits["probe"] = (self.probe, False)  # training samples: after "train", which leaves it nothing to compute
         if self.peers:
             self._fill_together(splits)
         self.caches = {
