@@ -74,23 +74,11 @@ def accepted_blocks(
 
 
 def summary(accepted: np.ndarray, block_size: int) -> Evaluation:
-    """The evaluation of blocks with `accepted` drafts each (any shape; `accepted_blocks`, or some of its rows)."""
+    """The evaluation of blocks with `accepted` drafts each (any shape; `accepted_blocks`, or some of its rows): tau =
+    mean(accepted + 1), first_draft = how often draft 1 is right, and the acceptance by position."""
     if not accepted.size:
         return Evaluation(float("nan"), float("nan"), ())
     accepted = accepted.reshape(-1)
     return Evaluation(
         float(np.mean(accepted) + 1), float(np.mean(accepted >= 1)), acceptance_by_position(accepted, block_size)
     )
-
-
-def evaluate(
-    drafter: DFlashDraftModel,
-    samples: list[Sample],
-    indices: Sequence[int],
-    settings: TrainSettings,
-    context: Callable[[Batch], mx.array],
-    peers=None,
-) -> Evaluation:
-    """tau = mean(accepted + 1), first_draft = how often draft 1 is right and the acceptance by position, over
-    the blocks of `accepted_blocks` (which see for the arguments)."""
-    return summary(accepted_blocks(drafter, samples, indices, settings, context, peers), settings.block_size)
