@@ -294,7 +294,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
     assert trainer.log[-1]["tau"] > untrained_tau
     # the train_tau column: the held-out evaluation run on a spread of training samples, which the fitted
     # drafter accepts more of than unseen ones
-    assert len(trainer.train_probe) == len(trainer.heldout) and trainer.log[-1]["train_tau"] > trainer.log[-1]["tau"]
+    assert len(trainer.probe) == len(trainer.heldout) and trainer.log[-1]["train_tau"] > trainer.log[-1]["tau"]
     caches, trainer.caches = trainer.caches, {}  # features from the target for both (not the cache's float16)
     with trainer.averaged():
         seen, heldout = trainer.evaluate("probe"), trainer.heldout
@@ -303,7 +303,9 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path, train_data, ar
         )
         assert blocks.shape == (len(heldout), trainer.settings.anchors_per_sequence)
         assert summary(blocks, trainer.settings.block_size) == trainer.evaluate()
-        assert trainer.probe == [trainer.train_samples[i] for i in trainer.train_probe]
+        # training samples, one every len(train) // len(probe) of them from the first
+        where = [next(i for i, t in enumerate(trainer.train_samples) if t is s) for s in trainer.probe]
+        assert where == [i * (len(trainer.train_samples) // len(where)) for i in range(len(where))]
         trainer.heldout = trainer.probe
         assert trainer.evaluate() == seen
         # loop_free: the held-out samples whose response repeats under half of its 8-grams, counted the slow way
@@ -642,9 +644,23 @@ def test_without_a_training_cache_the_probe_is_cached_and_sets_the_feature_scale
     )
     expected = 1 / np.maximum(np.sqrt(np.mean(rows.astype(np.float64) ** 2, axis=0)), 1e-3)
     np.testing.assert_allclose(np.array(trainer.feature_scale), expected, rtol=1e-2)
-    # an evaluation reads the held-out and probe features from their caches: no target forward
+    # an evaluation reads the held-out and probe features from their caches: no target forward, every sample drafted
     monkeypatch.setattr(Trainer, "teacher", lambda *a, **k: pytest.fail("features computed at an evaluation"))
-    assert trainer.evaluate("probe").tau >= 1 and trainer.evaluate().tau >= 1
+    for split in ("probe", "heldout"):
+        assert trainer.accepted_blocks(split).shape == (
+            len(trainer.samples(split)),
+            trainer.settings.anchors_per_sequence,
+        )
+    # data that holds nothing out: a probe of `eval_samples` training samples still gives the scale
+    monkeypatch.undo()
+    none_out = tmp_path / "none-out"
+    none_out.mkdir()
+    write_shard(
+        none_out / "shard-00000.npz",
+        [Sample(str(i), s.tokens, s.prompt_len, False) for i, s in enumerate(read_shards(folder, heldout=False))],
+    )
+    unheld = Trainer(model, tmp_path / "unheld", settings(none_out, "dflash2", 2, cache_features=False, eval_samples=5))
+    assert not unheld.heldout and len(unheld.probe) == 5 and np.isfinite(np.array(unheld.feature_scale)).all()
 
 
 @pytest.mark.slow

@@ -141,7 +141,7 @@ def write_card(folder: str | Path, trainer, target_name: str) -> None:
         ),
         *(
             [
-                f"- the same on {len(trainer.train_probe)} training samples: {card['train_tau']} "
+                f"- the same on {len(trainer.probe)} training samples: {card['train_tau']} "
                 "(above the held-out tau "
                 "by what the drafter memorized rather than learned)"
             ]

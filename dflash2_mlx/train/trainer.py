@@ -95,15 +95,13 @@ class Trainer:
 
     def _read_data(self, settings: TrainSettings) -> None:
         """The training samples, the first `eval_samples` held-out ones, and `probe`: as many training samples
-        (`train_probe` their indices), spread over the data, evaluated like the held-out ones (the gap between the
-        two is what the drafter memorized rather than learned)."""
+        (`eval_samples` where the data holds none out), spread over the data, evaluated like the held-out ones (the
+        gap between the two is what the drafter memorized rather than learned; their features give the scale)."""
         heldout = read_shards(settings.data, heldout=True)
         self.heldout = heldout[: settings.eval_samples]
         self.train_samples = distinct_prompts(read_shards(settings.data, heldout=False), heldout)
-        n = min(settings.eval_samples, len(self.heldout))  # `eval_samples` past the held-out set asks for all of it
-        spread = max(1, len(self.train_samples) // max(1, n))
-        self.train_probe = list(range(0, len(self.train_samples), spread))[:n]
-        self.probe = [self.train_samples[i] for i in self.train_probe]
+        n = len(self.heldout) or settings.eval_samples  # as many as the held-out ones evaluated
+        self.probe = self.train_samples[:: max(1, len(self.train_samples) // max(1, n))][:n]
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(
                 f"{settings.data} has {len(self.train_samples)} training samples; need at least "
