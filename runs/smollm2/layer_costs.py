@@ -10,13 +10,13 @@ their cycles (`cycle/plain` below): the tau a deeper drafter must add to break e
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from dflash2_apps.openblas import restart_with_openblas
 from dflash2_mlx.costs import measure_costs
 from dflash2_mlx.drafter import DFlashDraftModel
 from dflash2_mlx.loading import bind_drafter, load_drafter, load_target
+from dflash2_mlx.train.settings import deepened
 
 BUNDLED = "dflash2_mlx/assets/drafters/smollm2-135m-dflash2-b8"
 ROUNDS = (2, 3, 4, 4, 3, 2, 2, 3, 4)
@@ -29,7 +29,7 @@ def main() -> None:
     config = bundled.config
     pairs = {}
     for layers in sorted(set(ROUNDS)):
-        deeper = dataclasses.replace(config, num_hidden_layers=layers, layer_types=config.layer_types[:1] * layers)
+        deeper = deepened(config, layers)  # the bundled drafter's 2, and more as `--layers` grows it
         drafter = DFlashDraftModel.from_config(deeper)
         drafter.draft_vocab = bundled.draft_vocab  # its 3,072-token LM head, as the bundled drafter drafts
         pairs[layers] = (bind_drafter(drafter, model), drafter)
