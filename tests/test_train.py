@@ -717,6 +717,8 @@ def test_a_moving_average_of_the_weights_is_evaluated_exported_and_resumed(tmp_p
         np.testing.assert_allclose(np.array(exported[k]), want, rtol=1e-5, atol=1e-6, err_msg=k)
     with pytest.raises(ValueError, match=r"ema 1.0 is not a decay: give one in \[0, 1\)"):
         Trainer(model, tmp_path / "u", settings(folder, "v1", 5, ema=1.0))
+    with pytest.raises(ValueError, match="eval_samples 0: evaluations and the feature scale need at least one"):
+        TrainSettings(data=str(folder), eval_samples=0)
 
 
 @pytest.mark.slow

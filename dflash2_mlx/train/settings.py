@@ -59,6 +59,10 @@ class TrainSettings:
             raise ValueError(
                 f"ema {self.ema} is not a decay: give one in [0, 1), e.g. 0.999 (0 turns the moving average off)"
             )
+        if self.eval_samples < 1:
+            raise ValueError(
+                f"eval_samples {self.eval_samples}: evaluations and the feature scale need at least one sample"
+            )
 
     def loss_gamma(self) -> float:
         if self.gamma is not None:
