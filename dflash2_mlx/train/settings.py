@@ -48,8 +48,7 @@ class TrainSettings:
     time_budget: float | None = None  # minutes of wall time per run: stop there with a checkpoint (rerun to go on)
     ema: float = 0.999  # decay of an exponential moving average of the weights, which is what is evaluated and
     # exported (the raw weights' tau is logged beside it); 0: off. Switching it on in a resumed run starts the
-    # average at that run's weights. On the full-data runs the average read +0.036 (DFlash 2, 11 of 11
-    # evaluations) and +0.015 (v1, 11 of 13) held-out tau over the raw weights (runs/smollm2/recipes/README.md)
+    # average at that run's weights (what it adds: runs/smollm2/recipes/README.md)
     peer_timeout: float = 300.0  # data-parallel runs (mlx.launch): seconds a rank waits for the others before it
     # stops with an error (a rank that died or hangs), and a fresh start waits for them to join
     extra: dict = field(default_factory=dict)
