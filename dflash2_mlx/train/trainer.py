@@ -101,7 +101,7 @@ class Trainer:
         self.heldout = heldout[: settings.eval_samples]
         self.train_samples = distinct_prompts(read_shards(settings.data, heldout=False), heldout)
         n = len(self.heldout) or settings.eval_samples  # as many as the held-out ones evaluated
-        self.probe = self.train_samples[:: max(1, len(self.train_samples) // max(1, n))][:n]
+        self.probe = self.train_samples[:: max(1, len(self.train_samples) // n)][:n]
         if len(self.train_samples) < settings.sequences_per_step:
             raise ValueError(
                 f"{settings.data} has {len(self.train_samples)} training samples; need at least "
