@@ -51,17 +51,16 @@ def llama_answers(gguf: str, prompts: list[list[int]], eos: set[int]):
             prompt_len[slot] = len(ids)
             waiting.append((slot, ids))
 
+    def add(token: int, position: int, slot: int, logits: bool) -> None:
+        n = batch.n_tokens
+        batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = token, position, 1, logits
+        batch.seq_id[n][0] = slot
+        batch.n_tokens = n + 1
+
     for slot in range(SLOTS):
         fill(slot)
     while True:
         rows = []  # the slots whose next token this call computes, in the order of their logits
-
-        def add(token: int, position: int, slot: int, logits: bool) -> None:
-            n = batch.n_tokens
-            batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = token, position, 1, logits
-            batch.seq_id[n][0] = slot
-            batch.n_tokens = n + 1
-
         batch.n_tokens = 0
         for slot in range(SLOTS):
             if owner[slot] is not None and answer[slot]:
